@@ -1,0 +1,135 @@
+"""Config classes shared by recipes, and loading them from YAML/JSON/dicts.
+
+Every class is a frozen attrs class with validators, so a bad value fails at start-up naming the
+field and the allowed range; tyro renders the same classes as a command line (the attribute
+docstrings are the help text) and cattrs structures them from files.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import attrs
+import cattrs
+from attrs import validators as v
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A config file or dict does not fit its class; the message lists every problem."""
+
+
+@attrs.frozen(kw_only=True)
+class RolloutConfig:
+    """How episodes are generated and grouped (DESIGN.md "Scheduler, threads, staleness")."""
+
+    batch_size: int = attrs.field(default=8, validator=v.ge(1))
+    """Prompts per training step (B); a batch holds B x group_size episodes."""
+    group_size: int = attrs.field(default=4, validator=v.ge(1))
+    """Episodes per prompt (G), compared with each other for group-relative advantages."""
+    min_group_size: int = attrs.field(default=1, validator=v.ge(1))
+    """A group left with fewer episodes (after workflows returned None) is dropped."""
+    max_concurrent: int = attrs.field(default=64, validator=v.ge(1))
+    """Most episodes in flight at once; a prompt is admitted only when all its G fit."""
+    max_staleness: int = attrs.field(default=1, validator=v.ge(0))
+    """eta: no trained token may be more than this many versions old; 0 is synchronous."""
+    max_prompt_tokens: int = attrs.field(default=1024, validator=v.ge(1))
+    """Longer prompts are skipped and counted."""
+    max_retries: int = attrs.field(default=2, validator=v.ge(0))
+    """Times a sample whose workflow raised is tried again before it is given up."""
+
+    def __attrs_post_init__(self) -> None:
+        if self.min_group_size > self.group_size:
+            raise ValueError(
+                f"'min_group_size' must be <= group_size ({self.group_size}): {self.min_group_size}"
+            )
+        if self.max_concurrent < self.group_size:
+            raise ValueError(
+                f"'max_concurrent' must be >= group_size ({self.group_size}), or no prompt could "
+                f"ever be admitted: {self.max_concurrent}"
+            )
+
+
+@attrs.frozen(kw_only=True)
+class PolicyLossConfig:
+    """The clipped, decoupled policy-gradient loss shared by GRPO and PPO."""
+
+    eps_clip: float = attrs.field(default=0.2, validator=v.gt(0.0))
+    """Lower clip range: the ratio is kept above 1 - eps_clip."""
+    eps_clip_high: float | None = attrs.field(default=None, validator=v.optional(v.gt(0.0)))
+    """Upper clip range (DAPO clip-higher); None uses eps_clip."""
+    dual_clip: float | None = attrs.field(default=None, validator=v.optional(v.gt(1.0)))
+    """Dual-clip factor c > 1 bounding the loss of negative-advantage tokens; None disables it."""
+    importance_weight_cap: float | None = attrs.field(
+        default=5.0, validator=v.optional(v.gt(1.0))
+    )
+    """Cap on the decoupled importance weight pi_prox / pi_behav; None leaves it uncapped."""
+    aggregation: Literal["token", "sequence"] = attrs.field(
+        default="token", validator=v.in_(("token", "sequence"))
+    )
+    """Average the loss over all tokens of the batch, or per sequence first."""
+
+
+@attrs.frozen(kw_only=True)
+class OptimizerConfig:
+    """AdamW with warmup and gradient clipping."""
+
+    lr: float = attrs.field(default=1e-6, validator=v.gt(0.0))
+    """Peak learning rate."""
+    weight_decay: float = attrs.field(default=0.0, validator=v.ge(0.0))
+    betas: tuple[float, float] = attrs.field(
+        default=(0.9, 0.999), validator=v.deep_iterable(v.and_(v.ge(0.0), v.lt(1.0)))
+    )
+    """AdamW betas, each in [0, 1)."""
+    warmup_steps: int = attrs.field(default=0, validator=v.ge(0))
+    """Steps of linear warmup from 0 to lr."""
+    max_grad_norm: float = attrs.field(default=1.0, validator=v.gt(0.0))
+    """Gradients are clipped to this global norm; a non-finite norm skips the step."""
+
+
+_converter = cattrs.Converter(forbid_extra_keys=True)
+
+
+def _describe(exc: BaseException, type_: Any) -> str:
+    # cattrs' generic wording drops the validator's message, which names the allowed range.
+    generic = cattrs.v.format_exception(exc, type_)
+    vague = generic == "invalid value" or generic.startswith("unknown error")
+    return str(exc) if vague and str(exc) else generic
+
+
+def structure(cls: type[T], data: dict[str, Any]) -> T:
+    """Build `cls` from plain data, reporting every bad or unknown field by its path."""
+    try:
+        return _converter.structure(data, cls)
+    except (cattrs.BaseValidationError, ValueError, TypeError) as exc:
+        problems = (
+            cattrs.transform_error(exc, path=cls.__name__, format_exception=_describe)
+            if isinstance(exc, cattrs.BaseValidationError)
+            else [str(exc)]
+        )
+        raise ConfigError(
+            f"invalid {cls.__name__}:\n" + "\n".join(f"  - {p}" for p in problems)
+        ) from None
+
+
+def load(cls: type[T], path: str | Path) -> T:
+    """Read a YAML or JSON file into `cls` (JSON is YAML, so one parser reads both)."""
+    import yaml
+
+    text = Path(path).read_text()
+    data = yaml.safe_load(text) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of fields, got {type(data).__name__}")
+    return structure(cls, data)
+
+
+def unstructure(config: Any) -> dict[str, Any]:
+    return _converter.unstructure(config)
+
+
+def dump(config: Any, path: str | Path) -> None:
+    """Save a config as JSON (readable back with `load`)."""
+    Path(path).write_text(json.dumps(unstructure(config), indent=2) + "\n")

@@ -1,0 +1,33 @@
+"""`@reward`: pure functions that score a completion."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+from areal_flow.registry import rewards
+from areal_flow.types import RewardSpec
+
+F = TypeVar("F", bound=Callable[..., object])
+
+
+def reward(
+    name: str,
+    *,
+    timeout: float = 10.0,
+    default: float = 0.0,
+    range: tuple[float, float] = (0.0, 1.0),  # noqa: A002 - the contract's own word
+) -> Callable[[F], F]:
+    """Register ``fn(completion: str, **kwargs) -> float`` (sync or async) as reward `name`.
+
+    A call that raises, crashes or runs past `timeout` seconds scores `default`; every score
+    must lie within `range`. The function is returned unchanged.
+    """
+    def decorate(fn: F) -> F:
+        spec = RewardSpec(name=name, fn=fn, timeout=timeout, default=default, range=range)
+        return rewards.register(name, spec)
+
+    return decorate
+
+
+__all__ = ["RewardSpec", "reward"]
