@@ -80,6 +80,7 @@ class OptimizerConfig:
     lr: float = attrs.field(default=1e-6, validator=v.gt(0.0))
     """Peak learning rate."""
     weight_decay: float = attrs.field(default=0.0, validator=v.ge(0.0))
+    """Decoupled weight decay."""
     betas: tuple[float, float] = attrs.field(
         default=(0.9, 0.999), validator=v.deep_iterable(v.and_(v.ge(0.0), v.lt(1.0)))
     )

@@ -177,6 +177,8 @@ class Registry:
         ep = eps[0]
         try:
             obj = ep.load()
+        except DuplicateNameError as exc:  # its decorator collided with an in-process one
+            raise DuplicateNameError(f"{exc} (loading {ep.value} from {_distribution(ep)})") from exc
         except Exception as exc:
             raise PluginLoadError(
                 f"{self.kind} {name!r} from distribution {_distribution(ep)} failed to load "

@@ -1,0 +1,34 @@
+"""Shared fixtures. Anything that builds a model, installs a package or starts a server is
+session-scoped, so the suite stays fast as it grows."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A ~200k-parameter Llama + byte-level BPE tokenizer with a ChatML template."""
+    from areal_flow.testing.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_model"))
+
+
+@pytest.fixture(scope="session")
+def example_plugin_path(tmp_path_factory) -> Path:
+    """examples/plugins/reverse_task installed for real with pip into a folder of its own."""
+    target = tmp_path_factory.mktemp("plugin_site")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(target),
+         str(REPO / "examples" / "plugins" / "reverse_task")],
+        check=True,
+    )
+    return target

@@ -1,0 +1,88 @@
+"""Collation of episode groups into the training batch, against a reference built from the raw
+segments drawn in the test."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from areal_flow.data.collate import collate_groups
+from areal_flow.types import BATCH_KEYS, Completion, Episode
+
+PAD = 0
+tokens = st.lists(st.integers(1, 500), min_size=1, max_size=6)
+
+
+@st.composite
+def raw_episode(draw):
+    """(prompt, [(trainable, ids, logprobs, versions)], reward, temperature)"""
+    temperature = draw(st.sampled_from([0.7, 1.0]))
+    segments = []
+    for trainable in draw(st.lists(st.booleans(), max_size=4)):
+        ids = draw(tokens)
+        if trainable:
+            lps = [draw(st.floats(-20, 0)) for _ in ids]
+            vers = [draw(st.integers(0, 5)) for _ in ids]
+        else:
+            lps, vers = None, None
+        segments.append((trainable, ids, lps, vers))
+    return draw(tokens), segments, draw(st.floats(-1, 1)), temperature
+
+
+def build(raw):
+    prompt, segments, reward, temperature = raw
+    ep = Episode.start(prompt, reward=reward)
+    for trainable, ids, lps, vers in segments:
+        if trainable:
+            ep.add(Completion(token_ids=ids, logprobs=lps, versions=vers,
+                              finish_reason="stop", temperature=temperature))
+        else:
+            ep.add_tokens(ids)
+    return ep
+
+
+def reference_row(raw):
+    prompt, segments, _, _ = raw
+    ids, mask, lps, vers = list(prompt), [0] * len(prompt), [0.0] * len(prompt), [-1] * len(prompt)
+    for trainable, seg_ids, seg_lps, seg_vers in segments:
+        ids += seg_ids
+        mask += [int(trainable)] * len(seg_ids)
+        lps += seg_lps if trainable else [0.0] * len(seg_ids)
+        vers += seg_vers if trainable else [-1] * len(seg_ids)
+    return ids, mask, lps, vers
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(raw_episode(), min_size=1, max_size=4), min_size=1, max_size=4))
+def test_collation_matches_a_reference_built_from_the_segments(raw_groups):
+    batch = collate_groups([[build(r) for r in g] for g in raw_groups], pad_token_id=PAD)
+    flat = [(gid, r) for gid, g in enumerate(raw_groups) for r in g]
+    assert set(BATCH_KEYS) <= set(batch.keys())
+    width = max(len(reference_row(r)[0]) for _, r in flat)
+    assert batch.batch_size == torch.Size([len(flat)])
+    assert batch["input_ids"].shape == (len(flat), width)
+    for i, (gid, raw) in enumerate(flat):
+        ids, mask, lps, vers = reference_row(raw)
+        pad = width - len(ids)
+        assert batch["input_ids"][i].tolist() == ids + [PAD] * pad
+        assert batch["attention_mask"][i].tolist() == [True] * len(ids) + [False] * pad
+        assert batch["loss_mask"][i].tolist() == [bool(m) for m in mask] + [False] * pad
+        assert batch["versions"][i].tolist() == vers + [-1] * pad
+        torch.testing.assert_close(batch["logprobs"][i], torch.tensor(lps + [0.0] * pad))
+        assert batch["group_ids"][i].item() == gid
+        assert batch["rewards"][i].item() == torch.tensor(raw[2], dtype=torch.float32).item()
+        has_model_tokens = any(t for t, *_ in raw[1])
+        expected_t = raw[3] if has_model_tokens else 1.0
+        assert batch["temperature"][i].item() == torch.tensor(expected_t).item()
+    # rows of one group are adjacent: group ids never decrease
+    assert torch.all(batch["group_ids"][1:] >= batch["group_ids"][:-1])
+
+
+def test_collation_refuses_an_episode_without_reward():
+    import pytest
+
+    with pytest.raises(ValueError, match="has no reward"):
+        collate_groups([[Episode.start([1, 2])]])
+    with pytest.raises(ValueError, match="empty batch"):
+        collate_groups([])

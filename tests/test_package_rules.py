@@ -1,0 +1,81 @@
+"""Package-wide rules from DESIGN.md: light imports, and no dispatch on type strings."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from tests.helpers import run_python
+
+PACKAGE = Path(__file__).resolve().parents[1] / "areal_flow"
+
+
+def test_importing_the_public_api_and_the_decorators_does_not_import_torch():
+    out = run_python(
+        """
+        import sys
+        import areal_flow, areal_flow.config, areal_flow.registry, areal_flow.types
+        import areal_flow.reward, areal_flow.workflow, areal_flow.algorithms
+        import areal_flow.testing.pytest_plugin
+        from areal_flow import Episode, reward, workflow, algorithm
+        print(sorted(m for m in ("torch", "transformers", "tensordict") if m in sys.modules))
+        """
+    )
+    assert out.stdout.strip() == "[]"
+
+
+SELECTOR_WORDS = ("type", "kind", "backend", "algorithm", "name", "mode")
+
+
+def _selector(node: ast.AST) -> str | None:
+    ident = node.id if isinstance(node, ast.Name) else getattr(node, "attr", None)
+    if ident and not ident.startswith("__") and any(word in ident.lower() for word in SELECTOR_WORDS):
+        return ident
+    return None
+
+
+def dispatch_sites(tree: ast.AST) -> list[str]:
+    """`x_type == "..."` comparisons, `match` on string literals, and {"name": Class} tables."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare) and all(
+            isinstance(op, (ast.Eq, ast.NotEq)) for op in node.ops
+        ):
+            sides = [node.left, *node.comparators]
+            has_str = any(isinstance(s, ast.Constant) and isinstance(s.value, str) for s in sides)
+            names = [_selector(s) for s in sides if _selector(s)]
+            if has_str and names:
+                found.append(f"line {node.lineno}: comparison of {names[0]} with a string")
+        elif isinstance(node, ast.Match):
+            for case in node.cases:
+                if isinstance(case.pattern, ast.MatchValue) and isinstance(
+                    getattr(case.pattern.value, "value", None), str
+                ):
+                    found.append(f"line {node.lineno}: match on a string")
+        elif isinstance(node, ast.Dict):
+            classes = [
+                k for k, v in zip(node.keys, node.values)
+                if isinstance(k, ast.Constant) and isinstance(k.value, str)
+                and isinstance(v, ast.Name) and v.id[:1].isupper()
+            ]
+            if len(classes) >= 2:
+                found.append(f"line {node.lineno}: a dict of names to classes")
+    return found
+
+
+def test_the_dispatch_check_recognises_each_pattern():
+    code = (
+        'if backend == "sglang":\n    pass\n'
+        'match kind:\n    case "grpo":\n        pass\n'
+        'ALGOS = {"grpo": GRPO, "ppo": PPO}\n'
+    )
+    assert len(dispatch_sites(ast.parse(code))) == 3
+
+
+def test_nothing_is_dispatched_by_comparing_a_type_string():
+    offenders = {
+        str(path.relative_to(PACKAGE)): sites
+        for path in PACKAGE.rglob("*.py")
+        if (sites := dispatch_sites(ast.parse(path.read_text())))
+    }
+    assert offenders == {}, "select by name through the registry instead"

@@ -1,0 +1,271 @@
+"""The registry: decorators, entry-point discovery, dotted paths, and every error it promises."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+
+from areal_flow import algorithm, algorithms, reward, rewards, workflow, workflows
+from areal_flow.registry import DuplicateNameError, Registry, UnknownNameError
+from areal_flow.types import AlgorithmSpec, RewardSpec, WorkflowSpec
+from tests.helpers import make_distribution, run_cli, run_python
+
+# --------------------------------------------------------------------------- in-process
+
+
+@reward("test_registry.half", timeout=3.0, default=0.5, range=(0.0, 2.0))
+def half(completion: str) -> float:
+    return 0.5
+
+
+@workflow("test_registry.flow")
+async def flow(ctx, sample):
+    return None
+
+
+@attrs.frozen
+class ToyConfig:
+    """Toy."""
+
+    scale: float = 1.0
+
+
+@algorithm("test_registry.algo", config=ToyConfig)
+class ToyAlgorithm:
+    roles = ("actor",)
+
+
+class ToySubclass(ToyAlgorithm):
+    pass
+
+
+def undecorated(completion: str) -> float:
+    return 1.0
+
+
+def test_decorators_return_the_object_unchanged_and_register_its_spec():
+    assert half("anything") == 0.5  # still an ordinary function
+    spec = rewards.get("test_registry.half")
+    assert spec == RewardSpec(
+        name="test_registry.half", fn=half, timeout=3.0, default=0.5, range=(0.0, 2.0)
+    )
+    assert workflows.get("test_registry.flow") == WorkflowSpec(name="test_registry.flow", fn=flow)
+    assert algorithms.get("test_registry.algo") == AlgorithmSpec(
+        name="test_registry.algo", cls=ToyAlgorithm, config=ToyConfig
+    )
+    assert "test_registry.half" in rewards.names()
+
+
+def test_unknown_name_lists_known_names_and_the_closest_match():
+    with pytest.raises(UnknownNameError) as err:
+        rewards.get("test_registry.hal")
+    msg = str(err.value)
+    assert "unknown reward 'test_registry.hal'" in msg
+    assert "test_registry.half" in msg.split("known:")[1]
+    assert "Did you mean 'test_registry.half'?" in msg
+
+
+def test_dotted_path_fallback_resolves_decorated_and_plain_functions():
+    assert rewards.get(f"{__name__}:half") is rewards.get("test_registry.half")
+    plain = rewards.get(f"{__name__}:undecorated")
+    assert plain == RewardSpec(name=f"{__name__}:undecorated", fn=undecorated)
+    with pytest.raises(UnknownNameError, match="could not be imported"):
+        rewards.get(f"{__name__}:missing")
+
+
+def test_a_subclass_does_not_inherit_its_parents_registration():
+    spec = algorithms.get(f"{__name__}:ToySubclass")
+    assert spec.cls is ToySubclass and spec.config is None
+
+
+def test_one_name_from_two_definitions_is_an_error_naming_both():
+    with pytest.raises(DuplicateNameError) as err:
+
+        @reward("test_registry.half")
+        def other_half(completion: str) -> float:
+            return 0.5
+
+    assert f"{__name__}:half" in str(err.value)
+    assert "other_half" in str(err.value)
+
+
+def test_redefining_the_same_function_replaces_it():
+    registry = Registry("thing", "areal_flow.test_nothing")
+
+    def make():
+        def thing():
+            return 1
+
+        return thing
+
+    first, second = make(), make()
+    registry.register("x", first)
+    registry.register("x", second)
+    assert registry.get("x") is second
+
+
+def test_spec_validation_names_the_field():
+    with pytest.raises(ValueError, match="'default' must lie within range"):
+        reward("test_registry.bad", default=2.0, range=(0.0, 1.0))(undecorated)
+    with pytest.raises(ValueError, match="'timeout' must be > 0"):
+        reward("test_registry.bad", timeout=0)(undecorated)
+    with pytest.raises(TypeError, match="must be an 'async def' function"):
+        workflow("test_registry.sync")(undecorated)
+
+
+# --------------------------------------------------------------------------- entry points
+# Each scenario lays out real installed distributions (.dist-info with entry_points.txt) and
+# runs in a fresh interpreter that sees them, exactly as `pip install` would leave things.
+
+PLUGIN_A = """
+    from areal_flow import reward
+    @reward("task.score", range=(0.0, 1.0))
+    def score(completion: str) -> float:
+        return 1.0
+"""
+PLUGIN_B = """
+    from areal_flow import reward
+    @reward("task.other")
+    def other(completion: str) -> float:
+        return 0.0
+"""
+
+
+def test_lookup_imports_only_the_entry_point_asked_for(tmp_path):
+    site = make_distribution(
+        tmp_path,
+        "task-plugin",
+        {"areal_flow.rewards": {"task.score": "plugin_a:score", "task.other": "plugin_b:other"}},
+        {"plugin_a": PLUGIN_A, "plugin_b": PLUGIN_B},
+    )
+    out = run_python(
+        """
+        import sys
+        from areal_flow import rewards
+        assert "plugin_a" not in sys.modules and "plugin_b" not in sys.modules
+        assert rewards.names() == ["task.other", "task.score"], rewards.names()
+        spec = rewards.get("task.score")
+        assert spec.fn("x") == 1.0 and spec.range == (0.0, 1.0)
+        print(sorted(m for m in ("plugin_a", "plugin_b", "torch") if m in sys.modules))
+        """,
+        site,
+    )
+    assert out.stdout.strip() == "['plugin_a']"
+
+
+def test_one_name_from_two_distributions_is_an_error_naming_both(tmp_path):
+    first = make_distribution(
+        tmp_path / "one", "first-dist", {"areal_flow.rewards": {"task.score": "plugin_a:score"}},
+        {"plugin_a": PLUGIN_A},
+    )
+    second = make_distribution(
+        tmp_path / "two",
+        "second-dist",
+        {"areal_flow.rewards": {"task.score": "plugin_c:score", "task.other": "plugin_b:other"}},
+        {"plugin_c": PLUGIN_A, "plugin_b": PLUGIN_B},
+    )
+    out = run_python(
+        """
+        from areal_flow import rewards
+        from areal_flow.registry import DuplicateNameError
+        try:
+            rewards.get("task.score")
+        except DuplicateNameError as exc:
+            print(exc)
+        print(rewards.get("task.other").name)  # the other names still resolve
+        """,
+        first,
+        second,
+    )
+    message, other = out.stdout.strip().splitlines()
+    assert "announced by two distributions" in message
+    assert "first-dist 0.1" in message and "second-dist 0.1" in message
+    assert other == "task.other"
+
+
+def test_a_broken_plugin_is_named_with_its_distribution_and_breaks_nothing_else(tmp_path):
+    site = make_distribution(
+        tmp_path,
+        "broken-plugin",
+        {"areal_flow.rewards": {"task.broken": "broken_mod:score", "task.other": "plugin_b:other"}},
+        {"broken_mod": "import not_a_real_module_xyz\n", "plugin_b": PLUGIN_B},
+    )
+    out = run_python(
+        """
+        from areal_flow import rewards
+        from areal_flow.registry import PluginLoadError
+        try:
+            rewards.get("task.broken")
+        except PluginLoadError as exc:
+            print(exc)
+        print(rewards.get("task.other").fn("x"))
+        """,
+        site,
+    )
+    message, other = out.stdout.strip().splitlines()
+    assert "reward 'task.broken' from distribution broken-plugin 0.1 failed to load" in message
+    assert "No module named 'not_a_real_module_xyz'" in message
+    assert other == "0.0"
+
+    listing = run_cli("plugins", paths=(site,))
+    assert "task.broken" in listing.stdout and "task.other" in listing.stdout
+    checked = run_cli("plugins", "--check", paths=(site,), check=False)
+    assert checked.returncode == 1
+    assert "failed to load" in checked.stdout and "ok" in checked.stdout
+
+
+def test_entry_point_and_decorator_names_must_agree(tmp_path):
+    site = make_distribution(
+        tmp_path, "misnamed", {"areal_flow.rewards": {"task.alias": "plugin_a:score"}},
+        {"plugin_a": PLUGIN_A},
+    )
+    out = run_python(
+        """
+        from areal_flow import rewards
+        from areal_flow.registry import RegistryError
+        try:
+            rewards.get("task.alias")
+        except RegistryError as exc:
+            print(exc)
+        """,
+        site,
+    )
+    assert "decorated as 'task.score'" in out.stdout
+
+
+def test_an_entry_point_may_name_an_undecorated_function(tmp_path):
+    site = make_distribution(
+        tmp_path, "plain", {"areal_flow.rewards": {"task.plain": "plain_mod:score"}},
+        {"plain_mod": "def score(completion):\n    return 1.0\n"},
+    )
+    out = run_python(
+        """
+        from areal_flow import rewards
+        spec = rewards.get("task.plain")
+        print(spec.name, spec.timeout, spec.default, spec.range)
+        """,
+        site,
+    )
+    assert out.stdout.split() == ["task.plain", "10.0", "0.0", "(0.0,", "1.0)"]
+
+
+def test_in_process_registration_that_shadows_a_plugin_is_an_error(tmp_path):
+    site = make_distribution(
+        tmp_path, "task-plugin", {"areal_flow.rewards": {"task.score": "plugin_a:score"}},
+        {"plugin_a": PLUGIN_A},
+    )
+    out = run_python(
+        """
+        from areal_flow import reward, rewards
+        from areal_flow.registry import DuplicateNameError
+        @reward("task.score")
+        def mine(completion):
+            return 0.0
+        try:
+            rewards.get("task.score")
+        except DuplicateNameError as exc:
+            print(exc)
+        """,
+        site,
+    )
+    assert "task-plugin 0.1" in out.stdout and "__main__:mine" in out.stdout
