@@ -1,0 +1,69 @@
+"""The GSM8K reward: the final number of a completion compared exactly with the reference.
+
+The final answer is taken from, in this order of preference:
+1. ``#### N`` — the first number after the last ``####`` (GSM8K's own answer format);
+2. ``\\boxed{N}`` — the first number inside the last ``\\boxed{...}``;
+3. the last number anywhere in the completion.
+A step that finds no number falls through to the next. Numbers are normalised before they are
+compared: thousands separators, a ``$`` sign, a trailing ``%`` and trailing zeros after the
+decimal point are ignored, so ``$1,234.00`` equals ``1234``. Only ASCII digits count.
+"""
+
+from __future__ import annotations
+
+import re
+from decimal import Decimal, InvalidOperation
+
+from areal_flow.reward import reward
+
+_NUMBER = re.compile(
+    r"(-)?\s?\$?\s?((?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)\s?%?", re.ASCII
+)
+_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+
+
+def _to_decimal(match: re.Match[str]) -> Decimal | None:
+    try:
+        value = Decimal((match.group(1) or "") + match.group(2).replace(",", ""))
+    except InvalidOperation:
+        return None
+    return value if value.is_finite() else None
+
+
+def _first_number(text: str) -> Decimal | None:
+    match = _NUMBER.search(text)
+    return _to_decimal(match) if match else None
+
+
+def extract_answer(text: str) -> Decimal | None:
+    """The final numeric answer of `text` by the rules in the module docstring, or None."""
+    if "####" in text:
+        found = _first_number(text.rsplit("####", 1)[1])
+        if found is not None:
+            return found
+    boxed = _BOXED.findall(text)
+    if boxed:
+        found = _first_number(boxed[-1])
+        if found is not None:
+            return found
+    last = None
+    for last in _NUMBER.finditer(text):  # noqa: B007 - only the last match is wanted
+        pass
+    return _to_decimal(last) if last else None
+
+
+def has_answer_format(text: str) -> bool:
+    """True when the completion states its answer as ``#### N``."""
+    return "####" in text and _first_number(text.rsplit("####", 1)[1]) is not None
+
+
+@reward("gsm8k", timeout=5.0, default=0.0, range=(0.0, 1.0))
+def gsm8k(completion: str, *, answer: str, format_weight: float = 0.0) -> float:
+    """1 for the right final number, else 0; with `format_weight` w in [0, 1] the score is
+    ``(1 - w) * correct + w * uses_#### _format`` (the small-model demo needs that signal).
+    `answer` may be a bare number or a full GSM8K solution ending in ``#### N``."""
+    w = min(max(float(format_weight), 0.0), 1.0)
+    reference = extract_answer(answer)
+    predicted = extract_answer(completion)
+    correct = float(reference is not None and predicted is not None and predicted == reference)
+    return (1.0 - w) * correct + w * float(has_answer_format(completion))

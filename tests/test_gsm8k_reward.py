@@ -1,0 +1,85 @@
+"""The built-in gsm8k reward: the reward contract, every supported answer format, and the
+preference order between formats."""
+
+from __future__ import annotations
+
+from decimal import Decimal
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from areal_flow import rewards
+from areal_flow.reward.gsm8k import extract_answer, gsm8k
+from areal_flow.testing.contract import check_reward
+from areal_flow.testing.strategies import formatted_numbers
+from tests.helpers import run_cli
+
+# Text before the answer; it may hold other numbers but no competing answer marker.
+noise = st.text(max_size=60).filter(lambda t: "####" not in t and "boxed" not in t)
+FORMATS = [
+    "{noise} #### {written}",
+    "{noise} so the answer is \\boxed{{{written}}}",
+    "{noise}\nThe answer is {written}.",
+]
+
+
+def test_gsm8k_is_a_builtin_announced_through_entry_points():
+    listing = run_cli("plugins").stdout
+    row = next(line for line in listing.splitlines() if " gsm8k " in line)
+    assert [c.strip() for c in row.strip("│ ").split("│")] == [
+        "reward", "gsm8k", "areal-flow 0.1.0", "areal_flow.reward.gsm8k:gsm8k"
+    ]
+    assert rewards.get("gsm8k").fn is gsm8k
+
+
+def test_gsm8k_passes_the_reward_contract():
+    report = check_reward("gsm8k", max_examples=300)
+    assert report.ok, report.summary()
+
+
+@given(number=formatted_numbers(), noise=noise, fmt=st.sampled_from(FORMATS),
+       gsm8k_style_reference=st.booleans())
+def test_the_right_number_in_any_supported_format_scores_one(
+    number, noise, fmt, gsm8k_style_reference
+):
+    canonical, written = number
+    answer = f"Some worked solution, 3 + 4 = 7.\n#### {canonical}" if gsm8k_style_reference \
+        else canonical
+    assert gsm8k(fmt.format(noise=noise, written=written), answer=answer) == 1.0
+
+
+@given(number=formatted_numbers(), other=formatted_numbers(), noise=noise,
+       fmt=st.sampled_from(FORMATS))
+def test_a_different_number_scores_zero(number, other, noise, fmt):
+    canonical, _ = number
+    other_canonical, other_written = other
+    if Decimal(other_canonical) == Decimal(canonical):
+        return
+    assert gsm8k(fmt.format(noise=noise, written=other_written), answer=canonical) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("3 apples and \\boxed{4}, #### 5", "5"),  # #### beats boxed and last number
+        ("\\boxed{4} and then 9 more", "4"),  # boxed beats last number
+        ("#### (no number) but \\boxed{6}", "6"),  # a marker without a number falls through
+        ("first 1,234 then 7.", "7"),
+        ("$1,234.00", "1234"),
+        ("it grew by 50%", "50"),
+        ("owes -$12", "-12"),
+        ("no digits here", None),
+        ("Arabic-Indic ٣ is not an ASCII digit", None),
+    ],
+)
+def test_answer_extraction_follows_the_documented_preference(text, expected):
+    found = extract_answer(text)
+    assert found == (None if expected is None else Decimal(expected))
+
+
+def test_the_format_component_is_weighted_in():
+    assert gsm8k("#### 72", answer="72", format_weight=0.2) == 1.0
+    assert gsm8k("It is 72.", answer="72", format_weight=0.2) == pytest.approx(0.8)
+    assert gsm8k("#### 71", answer="72", format_weight=0.2) == pytest.approx(0.2)
+    assert gsm8k("71", answer="72", format_weight=0.2) == 0.0
