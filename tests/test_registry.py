@@ -143,7 +143,7 @@ def test_lookup_imports_only_the_entry_point_asked_for(tmp_path):
         import sys
         from areal_flow import rewards
         assert "plugin_a" not in sys.modules and "plugin_b" not in sys.modules
-        assert rewards.names() == ["task.other", "task.score"], rewards.names()
+        assert {"task.other", "task.score"} <= set(rewards.names()), rewards.names()
         spec = rewards.get("task.score")
         assert spec.fn("x") == 1.0 and spec.range == (0.0, 1.0)
         print(sorted(m for m in ("plugin_a", "plugin_b", "torch") if m in sys.modules))
