@@ -167,8 +167,9 @@ class LocalEngine:
         return self._paused
 
     def update_weights(self, update: WeightUpdate) -> None:
-        """Load a full state dict or a `save_pretrained` folder; interrupts running requests,
-        which continue under the new weights."""
+        """Load a state dict (all tensors, or a subset for bucketed updates) or a
+        `save_pretrained` folder; interrupts running requests, which continue under the new
+        weights."""
         was_paused = self._paused
         self.pause()
         try:
@@ -256,13 +257,16 @@ class LocalEngine:
     def _drain_aborts_locked(self) -> None:
         if not self._abort:
             return
-        everything = None in self._abort
-        for queue in (self._waiting, self._running):
-            for seq in [s for s in queue if everything or s.request.rid in self._abort]:
-                self._finish(seq, "abort")
-        self._waiting = deque(s for s in self._waiting if not s.future.done())
-        self._keep([i for i, s in enumerate(self._running) if not s.future.done()])
+        def cancelled(seq: _Sequence) -> bool:
+            return None in self._abort or seq.request.rid in self._abort or seq.future.done()
+
+        dropped = [s for s in [*self._waiting, *self._running] if cancelled(s)]
+        self._waiting = deque(s for s in self._waiting if not cancelled(s))
+        if any(map(cancelled, self._running)):
+            self._keep([i for i, s in enumerate(self._running) if not cancelled(s)])
         self._abort.clear()
+        for seq in dropped:
+            self._finish(seq, "abort")
 
     def _prefill(self, admitted: list[_Sequence]) -> None:
         contexts = [seq.context for seq in admitted]
@@ -307,18 +311,20 @@ class LocalEngine:
             seq.logprobs.append(logprob)
             seq.versions.append(version)
         self._totals.generated += len(rows)
-        keep = []
+        keep, done = [], []
         for i, seq in enumerate(self._running):
             sp = seq.request.sampling
             last = seq.tokens[-1]
             if last in sp.stop_token_ids or (last in self.eos_token_ids and not sp.ignore_eos):
-                self._finish(seq, "stop")
+                done.append((seq, "stop"))
             elif len(seq.tokens) >= sp.max_new_tokens:
-                self._finish(seq, "length")
+                done.append((seq, "length"))
             else:
                 keep.append(i)
-        if len(keep) < len(self._running):
-            self._keep(keep)
+        if done:
+            self._keep(keep)  # leave the batch before the caller hears, so stats() agree
+            for seq, reason in done:
+                self._finish(seq, reason)
 
     def _finish(self, seq: _Sequence, reason: FinishReason) -> None:
         if seq.future.done():
@@ -379,15 +385,15 @@ class LocalEngine:
         )
 
     def _load_state_dict(self, state_dict) -> None:
-        missing, unexpected = self.model.load_state_dict(
-            {k: v.to(self.device) for k, v in state_dict.items()}, strict=False
-        )
-        tied = set(getattr(self.model, "_tied_weights_keys", None) or ())
-        missing = [k for k in missing if k not in tied]
-        if missing or unexpected:
-            raise ValueError(
-                f"weights do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
-            )
+        # A subset of the tensors is allowed (bucketed updates send a few at a time); a name the
+        # model does not have is an error, which also catches prefixes such as "_orig_mod.".
+        unexpected = sorted(set(state_dict) - set(self.model.state_dict()))
+        if unexpected:
+            raise ValueError(f"weights do not fit the model: unexpected names {unexpected[:5]}")
+        try:
+            self.model.load_state_dict(state_dict, strict=False)
+        except RuntimeError as exc:  # shape mismatches
+            raise ValueError(f"weights do not fit the model: {exc}") from exc
 
 
 def _settle(future: concurrent.futures.Future, outcome: object) -> None:

@@ -1,0 +1,282 @@
+"""The local engine against plain forward passes of the same weights."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from areal_flow import generation_pools
+from areal_flow.inference.local import LocalEngine
+from areal_flow.types import GenerationRequest, SamplingParams, WeightUpdate
+
+
+def request(prompt, **sampling) -> GenerationRequest:
+    return GenerationRequest(input_ids=prompt, sampling=SamplingParams(**sampling))
+
+
+def prompts(n: int, start: int = 10) -> list[list[int]]:
+    """Prompts of different lengths, so the batch is ragged."""
+    return [list(range(start + i, start + i + 3 + 2 * i)) for i in range(n)]
+
+
+def forward_logprobs(model, prompt, tokens, temperature) -> torch.Tensor:
+    """log_softmax(logits / T) at each generated token, from one full forward pass."""
+    ids = torch.tensor([[*prompt, *tokens]])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+    return torch.log_softmax(logits / temperature, -1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+def greedy_reference(model, prompt, n) -> list[int]:
+    """Greedy decoding without a KV cache: one full forward per token."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def perturbed(model, scale: float, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + scale * torch.randn(v.shape, generator=g) for k, v in model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    eng = LocalEngine(tiny_model_dir, max_batch_size=16)
+    yield eng
+    eng.close()
+
+
+async def generate_all(engine, requests, stagger_at: int | None = None):
+    """Submit `requests`; with `stagger_at`, submit the second half only after the engine has run
+    that many steps, so they join a batch that is already decoding."""
+    if stagger_at is None:
+        return await asyncio.gather(*(engine.generate(r) for r in requests))
+    half = len(requests) // 2
+    first = [asyncio.ensure_future(engine.generate(r)) for r in requests[:half]]
+    joined = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    steps = iter(range(1, 10_000))
+    engine.on_step = lambda eng: next(steps) == stagger_at and loop.call_soon_threadsafe(joined.set)
+    try:
+        await asyncio.wait_for(joined.wait(), timeout=60)
+        second = [asyncio.ensure_future(engine.generate(r)) for r in requests[half:]]
+        return await asyncio.gather(*first, *second)
+    finally:
+        engine.on_step = None
+
+
+def test_the_local_pool_is_registered_by_name():
+    assert generation_pools.get("local") is LocalEngine
+
+
+def test_logprobs_match_a_full_forward_pass_with_requests_joining_mid_batch(engine):
+    reqs = [request(p, temperature=0.7, top_p=0.9, max_new_tokens=24, ignore_eos=True, seed=i)
+            for i, p in enumerate(prompts(8))]
+    outs = asyncio.run(generate_all(engine, reqs, stagger_at=5))
+    for req, out in zip(reqs, outs):
+        assert out.finish_reason == "length" and len(out.token_ids) == 24
+        assert out.temperature == 0.7 and set(out.versions) == {0}
+        expected = forward_logprobs(engine.model, req.input_ids, out.token_ids, 0.7)
+        torch.testing.assert_close(torch.tensor(out.logprobs), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_requests_are_deterministic_in_a_mixed_batch(engine):
+    greedy = [request(p, temperature=0.0, max_new_tokens=16, ignore_eos=True) for p in prompts(4)]
+    alone = asyncio.run(generate_all(engine, greedy))
+    sampled = [request(p, temperature=1.0, top_k=20, max_new_tokens=20, ignore_eos=True, seed=7)
+               for p in prompts(4, start=40)]
+    mixed = asyncio.run(generate_all(engine, [*sampled, *greedy]))
+    for req, a, m in zip(greedy, alone, mixed[len(sampled):]):
+        assert a.token_ids == m.token_ids
+        assert list(a.token_ids) == greedy_reference(engine.model, req.input_ids, 16)
+        assert a.temperature == 1.0  # greedy logprobs are reported at T = 1
+    # sampled requests with a seed reproduce, whatever else is in the batch
+    again = asyncio.run(generate_all(engine, sampled[:2]))
+    assert [o.token_ids for o in again] == [o.token_ids for o in mixed[:2]]
+    assert len({o.token_ids for o in mixed[: len(sampled)]}) > 1
+
+
+def test_top_k_one_is_greedy_and_top_p_keeps_sampling_inside_the_nucleus(engine):
+    prompt = prompts(1)[0]
+    greedy = asyncio.run(engine.generate(request(prompt, temperature=0, max_new_tokens=12,
+                                                 ignore_eos=True)))
+    top1 = asyncio.run(engine.generate(request(prompt, temperature=1.3, top_k=1,
+                                               max_new_tokens=12, ignore_eos=True, seed=3)))
+    assert top1.token_ids == greedy.token_ids
+    # the logprob is still the full-vocabulary one at T=1.3, not the truncated distribution's 0
+    assert all(lp < 0 for lp in top1.logprobs)
+
+
+def test_stop_tokens_eos_and_length_end_generation(engine):
+    prompt = prompts(1)[0]
+    free = asyncio.run(engine.generate(request(prompt, temperature=0, max_new_tokens=20,
+                                               ignore_eos=True)))
+    stop_at = free.token_ids[5]
+    first = free.token_ids.index(stop_at)
+    stopped = asyncio.run(engine.generate(request(prompt, temperature=0, max_new_tokens=20,
+                                                  ignore_eos=True, stop_token_ids=[stop_at])))
+    assert stopped.finish_reason == "stop"
+    assert stopped.token_ids == free.token_ids[: first + 1]  # the stop token is kept
+    eos = min(engine.eos_token_ids)
+    engine.eos_token_ids, saved = {stop_at}, engine.eos_token_ids
+    try:
+        by_eos = asyncio.run(engine.generate(request(prompt, temperature=0, max_new_tokens=20)))
+    finally:
+        engine.eos_token_ids = saved
+    assert by_eos.finish_reason == "stop" and by_eos.token_ids == stopped.token_ids
+    assert free.finish_reason == "length" and eos is not None
+
+
+def test_prompts_too_long_for_the_model_are_refused(engine):
+    with pytest.raises(ValueError, match="exceeds the model's"):
+        engine.submit(request([1] * engine.max_length, max_new_tokens=8))
+
+
+def test_explicit_abort_returns_tokens_so_far(engine):
+    async def main():
+        req = request(prompts(1)[0], temperature=0, max_new_tokens=500, ignore_eos=True)
+        steps = iter(range(1, 10_000))
+
+        def hook(eng):
+            if next(steps) == 6:
+                eng.abort(req.rid)
+
+        engine.on_step = hook
+        try:
+            out = await engine.generate(req)
+        finally:
+            engine.on_step = None
+        return out
+
+    out = asyncio.run(main())
+    assert out.finish_reason == "abort" and 1 <= len(out.token_ids) < 500
+
+
+def test_a_cancelled_caller_frees_its_slot(engine):
+    async def main():
+        task = asyncio.ensure_future(engine.generate(
+            request(prompts(1)[0], temperature=0, max_new_tokens=900, ignore_eos=True)))
+        started = threading.Event()
+        engine.on_step = lambda eng: started.set()
+        await asyncio.to_thread(started.wait, 60)
+        engine.on_step = None
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        # the engine drops the request and keeps serving
+        return await engine.generate(request([5, 6, 7], temperature=0, max_new_tokens=4))
+
+    assert len(asyncio.run(main()).token_ids) <= 4
+    assert engine.stats()["running"] == 0
+
+
+def test_interrupted_generations_continue_under_the_new_weights(tiny_model_dir):
+    """w0 → w1 while long greedy generations run: each completion equals greedy decoding under
+    w0 up to the switch and under w1 after it, with every token's version recorded."""
+    engine = LocalEngine(tiny_model_dir)
+    w0 = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    w1 = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    w1.load_state_dict(perturbed(w0, 0.05, seed=1))
+    switched = threading.Event()
+    steps = iter(range(1, 10_000))
+
+    def hook(eng):
+        if next(steps) == 10:
+            eng.pause(wait=False)
+            switched.set()
+
+    async def main():
+        reqs = [request(p, temperature=0, max_new_tokens=30, ignore_eos=True) for p in prompts(5)]
+        tasks = [asyncio.ensure_future(engine.generate(r)) for r in reqs]
+        await asyncio.to_thread(switched.wait, 60)
+        await asyncio.to_thread(engine.update_weights,
+                                WeightUpdate(version=1, state_dict=w1.state_dict()))
+        engine.resume()
+        return reqs, await asyncio.gather(*tasks)
+
+    engine.on_step = hook
+    try:
+        reqs, outs = asyncio.run(main())
+        assert engine.stats()["interruptions"] == len(reqs)
+    finally:
+        engine.close()
+    assert engine.version == 1
+    for req, out in zip(reqs, outs):
+        assert len(out.token_ids) == 30 and out.finish_reason == "length"
+        k = out.versions.index(1)
+        assert 0 < k and set(out.versions[:k]) == {0} and set(out.versions[k:]) == {1}
+        before = greedy_reference(w0, req.input_ids, k)
+        after = greedy_reference(w1, [*req.input_ids, *before], 30 - k)
+        assert list(out.token_ids) == before + after
+        expected = torch.cat([forward_logprobs(w0, req.input_ids, before, 1.0),
+                              forward_logprobs(w1, [*req.input_ids, *before], after, 1.0)])
+        torch.testing.assert_close(torch.tensor(out.logprobs), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_weights_load_from_a_state_dict_or_a_folder(tiny_model_dir, tmp_path):
+    engine = LocalEngine(tiny_model_dir)
+    other = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    other.load_state_dict(perturbed(other, 0.05, seed=2))
+    other.save_pretrained(tmp_path)
+    prompt = prompts(1)[0]
+    try:
+        for update in (WeightUpdate(version=3, path=str(tmp_path)),
+                       WeightUpdate(version=4, state_dict=other.state_dict())):
+            engine.update_weights(update)
+            out = asyncio.run(engine.generate(request(prompt, temperature=0.8, max_new_tokens=10,
+                                                      ignore_eos=True, seed=0)))
+            assert set(out.versions) == {update.version} and engine.version == update.version
+            torch.testing.assert_close(
+                torch.tensor(out.logprobs),
+                forward_logprobs(other, prompt, out.token_ids, 0.8), atol=1e-4, rtol=1e-4)
+        with pytest.raises(ValueError, match="do not fit the model"):
+            engine.update_weights(WeightUpdate(version=5, state_dict={"nope": torch.zeros(1)}))
+        assert engine.version == 4 and not engine.paused
+    finally:
+        engine.close()
+
+
+def test_bf16_weights_generate_with_matching_logprobs(tiny_model_dir):
+    engine = LocalEngine(tiny_model_dir, dtype="bfloat16")
+    try:
+        prompt = prompts(1)[0]
+        out = asyncio.run(engine.generate(request(prompt, temperature=1.0, max_new_tokens=12,
+                                                  ignore_eos=True, seed=1)))
+        assert engine.model.dtype == torch.bfloat16
+        expected = forward_logprobs(engine.model, prompt, out.token_ids, 1.0)
+        torch.testing.assert_close(torch.tensor(out.logprobs), expected, atol=2e-2, rtol=2e-2)
+    finally:
+        engine.close()
+
+
+def test_stats_count_tokens_since_the_last_call(engine):
+    engine.stats()
+    asyncio.run(generate_all(engine, [request(p, temperature=0, max_new_tokens=7, ignore_eos=True)
+                                      for p in prompts(3)]))
+    stats = engine.stats()
+    assert stats["generated_tokens"] == 21 and stats["finished"] == 3
+    assert stats["tokens_per_s"] > 0 and stats["running"] == 0 and stats["queued"] == 0
+    assert engine.stats()["generated_tokens"] == 0
+
+
+def test_a_bucket_of_tensors_updates_only_those(tiny_model_dir):
+    engine = LocalEngine(tiny_model_dir)
+    try:
+        before = {k: v.clone() for k, v in engine.model.state_dict().items()}
+        name = "model.layers.0.mlp.down_proj.weight"
+        bucket = {name: torch.ones_like(before[name])}
+        engine.update_weights(WeightUpdate(version=1, state_dict=bucket))
+        after = engine.model.state_dict()
+        assert torch.equal(after[name], bucket[name])
+        assert all(torch.equal(after[k], v) for k, v in before.items() if k != name)
+        with pytest.raises(ValueError, match="do not fit the model"):
+            engine.update_weights(WeightUpdate(version=2, state_dict={name: torch.ones(3)}))
+        assert engine.version == 1
+    finally:
+        engine.close()
