@@ -1,0 +1,51 @@
+"""Rewards that misbehave on purpose, importable by reward worker processes."""
+
+import os
+import time
+
+from areal_flow import reward
+
+
+@reward("tests.length", timeout=5.0, range=(0.0, 100.0))
+def length(completion: str) -> float:
+    return float(len(completion))
+
+
+@reward("tests.sleeps_forever", timeout=0.5)
+def sleeps_forever(completion: str) -> float:
+    while True:
+        time.sleep(60)
+
+
+@reward("tests.kills_itself", timeout=5.0)
+def kills_itself(completion: str) -> float:
+    os.kill(os.getpid(), 9)
+    return 1.0
+
+
+@reward("tests.raises", timeout=5.0, default=0.25)
+def raises(completion: str) -> float:
+    raise RuntimeError("bad input")
+
+
+@reward("tests.out_of_range", timeout=5.0)
+def out_of_range(completion: str) -> float:
+    return 7.0
+
+
+@reward("tests.imports_torch", timeout=30.0)
+def imports_torch(completion: str) -> float:
+    import sys
+    return float("torch" in sys.modules)
+
+
+@reward("tests.async_hangs", timeout=0.3, default=0.5)
+async def async_hangs(completion: str) -> float:
+    import asyncio
+    await asyncio.Event().wait()
+    return 1.0
+
+
+@reward("tests.async_ok", timeout=1.0)
+async def async_ok(completion: str) -> float:
+    return 1.0 if completion else 0.0

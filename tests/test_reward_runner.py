@@ -1,0 +1,72 @@
+"""Rewards run contained: hung, crashing, raising and out-of-range rewards score their default,
+are counted, and the pool recovers for the next call."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from areal_flow.reward.runner import RewardRunner
+from tests import rewards_for_tests
+
+
+@pytest.fixture(scope="module")
+def runner():
+    with RewardRunner(max_workers=2) as r:
+        yield r
+
+
+def score(runner, name, text="abc"):
+    return asyncio.run(runner.score(name, text))
+
+
+@pytest.mark.parametrize(
+    ("name", "counter", "default"),
+    [
+        ("tests.sleeps_forever", "timeouts", 0.0),
+        ("tests.kills_itself", "crashes", 0.0),
+        ("tests.raises", "errors", 0.25),
+        ("tests.out_of_range", "invalid", 0.0),
+        ("tests.async_hangs", "timeouts", 0.5),
+    ],
+)
+def test_a_misbehaving_reward_scores_its_default_and_the_next_call_is_true(
+    runner, name, counter, default
+):
+    runner.stats()
+    assert score(runner, name) == default
+    assert score(runner, "tests.length", "hello") == 5.0  # the pool recovered
+    stats = runner.stats()
+    assert stats[counter] == 1 and stats["calls"] == 2
+    others = {"timeouts", "crashes", "errors", "invalid"} - {counter}
+    assert all(stats[k] == 0 for k in others)
+
+
+def test_rewards_run_in_light_worker_processes(runner):
+    # the parent has torch loaded (the test session imports it); the workers must not
+    import torch  # noqa: F401
+
+    assert score(runner, "tests.imports_torch") == 0.0
+
+
+def test_rewards_are_named_by_registry_name_function_or_path(runner):
+    assert asyncio.run(runner.score(rewards_for_tests.length, "four")) == 4.0
+    assert asyncio.run(runner.score("tests.rewards_for_tests:length", "xy")) == 2.0
+    assert asyncio.run(runner.score("tests.async_ok", "x")) == 1.0
+    assert asyncio.run(runner.score("gsm8k", "#### 12", answer="12")) == 1.0
+
+
+def test_many_concurrent_calls_all_return(runner):
+    async def main():
+        return await asyncio.gather(*(runner.score("tests.length", "x" * i) for i in range(40)))
+
+    assert asyncio.run(main()) == [float(i) for i in range(40)]
+
+
+def test_a_reward_defined_in_a_script_gets_a_clear_error(runner):
+    def local(completion):
+        return 1.0
+
+    with pytest.raises(ValueError, match="cannot be imported by a worker process"):
+        asyncio.run(runner.score(local, "x"))
