@@ -1,0 +1,473 @@
+"""The rollout scheduler: admits prompts under the staleness and concurrency limits, runs G
+workflow episodes per prompt, keeps whole groups, and hands the trainer collated batches.
+
+Threads: the scheduler runs an anyio event loop in a thread it owns (an anyio blocking portal).
+The trainer thread calls `prepare_batch`, `set_version`, `pause`/`resume`, `state_dict` and
+`stats`; they are thread-safe.
+
+Admission (B = prompts per step, G = group size, η = max_staleness, counting groups):
+    running_episodes + G <= max_concurrent   and   (η + version + 1)·B > accepted + running
+where `accepted` counts groups accepted and not dropped (consumed ones included) and `running`
+counts groups in flight. At consumption, a group holding a token older than version − η is dropped
+and counted: interrupted generations can outlive the admission check.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import anyio
+import anyio.from_thread
+import attrs
+
+from areal_flow.config import RolloutConfig
+from areal_flow.registry import workflows
+from areal_flow.types import Episode, GenerationPool, SamplingParams, WorkflowSpec
+from areal_flow.workflow.context import PromptTooLong, RolloutContext
+
+log = logging.getLogger(__name__)
+
+GroupFilter = Callable[[list[Episode]], bool]
+"""``should_accept(group)``: False drops the whole group and frees its capacity."""
+
+
+class RolloutError(RuntimeError):
+    """Rollout cannot produce batches (every sample keeps failing, or the scheduler crashed)."""
+
+
+async def _all_tasks_blocked() -> None:
+    # anyio.wait_all_tasks_blocked does the same check but naps 0.1 s between tries, which makes
+    # stepping a scheduler thousands of times in a property test take minutes.
+    import asyncio
+
+    me = asyncio.current_task()
+    while True:
+        await asyncio.sleep(0)
+        if all(t is me or (t._fut_waiter is not None and not t._fut_waiter.done())
+               for t in asyncio.all_tasks()):
+            return
+
+
+def has_reward_variance(group: list[Episode]) -> bool:
+    """DAPO dynamic sampling: a group whose rewards are all equal has zero advantage everywhere."""
+    return len({ep.reward for ep in group}) > 1
+
+
+@attrs.define
+class _Group:
+    sample_id: int
+    episodes: list[Episode]
+
+    def oldest_version(self) -> int | None:
+        versions = [v for ep in self.episodes for v in ep.versions if v >= 0]
+        return min(versions) if versions else None
+
+
+class RolloutScheduler:
+    """Runs a workflow over a dataset against a generation pool (see the module docstring).
+
+    Args:
+        pool: where tokens come from.
+        workflow: registered name or spec of an ``async fn(ctx, sample) -> Episode | None``.
+        dataset: indexable rows (dicts) given to the workflow; rows are identified by index.
+        tokenizer: the policy's tokenizer (chat template, pad token).
+        score: ``async score(reward, *args, **kwargs) -> float`` — `RewardRunner.score`.
+        config: batch size, group size, limits.
+        sampling: default sampling settings of `ctx.generate`.
+        workflow_config: the workflow's options object, given to it as `ctx.config`.
+        filters: `should_accept(group)` functions; every one must accept a group.
+        shuffle, seed: the dataset order (a fresh permutation every epoch).
+    """
+
+    def __init__(
+        self,
+        *,
+        pool: GenerationPool,
+        workflow: str | WorkflowSpec,
+        dataset: Sequence[dict[str, Any]],
+        tokenizer: Any,
+        score: Callable[..., Any],
+        config: RolloutConfig,
+        sampling: SamplingParams,
+        workflow_config: Any = None,
+        filters: Sequence[GroupFilter] = (),
+        shuffle: bool = True,
+        seed: int = 0,
+    ):
+        if len(dataset) == 0:
+            raise ValueError("the dataset is empty")
+        self.pool = pool
+        self.workflow = workflows.get(workflow) if isinstance(workflow, str) else workflow
+        self.dataset = dataset
+        self.tokenizer = tokenizer
+        self.config = config
+        self.sampling = sampling
+        self.workflow_config = workflow_config
+        self.filters = tuple(filters)
+        self.shuffle, self.seed = shuffle, seed
+        self._score = score
+        self._permutations: dict[int, list[int]] = {}
+
+        self._cond = threading.Condition()  # guards everything below that both threads touch
+        self._queue: deque[_Group] = deque()
+        self._version = 0
+        self._accepted = 0
+        self._consumed = 0
+        self._position = 0
+        self._pending: deque[int] = deque()
+        self._inflight: Counter[int] = Counter()
+        self._running_groups = 0
+        self._running_episodes = 0
+        self._paused = False
+        self._fatal: RolloutError | None = None
+        self._consecutive_failures = 0
+        self._consecutive_drops = 0
+        self._counts: Counter[str] = Counter()
+        self._peak_running = 0
+
+        self._portal_cm = None
+        self._portal: anyio.from_thread.BlockingPortal | None = None
+        self._changed: anyio.Event | None = None
+        self._cancel: anyio.CancelScope | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def start(self) -> RolloutScheduler:
+        if self._portal is not None:
+            raise RuntimeError("the scheduler is already started")
+        self._portal_cm = anyio.from_thread.start_blocking_portal(backend="asyncio")
+        self._portal = self._portal_cm.__enter__()
+        self._portal.start_task_soon(self._admit_forever, name="rollout-admission")
+        return self
+
+    def stop(self) -> None:
+        if self._portal is None:
+            return
+        if self._cancel is not None:
+            self._portal.call(self._cancel.cancel)
+        self._portal_cm.__exit__(None, None, None)
+        self._portal = self._portal_cm = None
+
+    def __enter__(self) -> RolloutScheduler:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- trainer-thread API -------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def portal(self) -> anyio.from_thread.BlockingPortal:
+        """The blocking portal of the scheduler's event loop: run code in the loop from another
+        thread (``scheduler.portal.call(fn, *args)``)."""
+        if self._portal is None:
+            raise RuntimeError("start() the scheduler first")
+        return self._portal
+
+    def settle(self) -> None:
+        """Return once every task in the scheduler's loop is waiting on something (tests use it
+        to step the scheduler deterministically)."""
+        self.portal.call(_all_tasks_blocked)
+
+    def set_version(self, version: int) -> None:
+        """The trainer's weights are now `version` (call after the pool's weight update)."""
+        with self._cond:
+            self._version = version
+            self._cond.notify_all()
+        self._wake()
+
+    def pause(self) -> None:
+        """Admit no new prompts; episodes in flight continue."""
+        self._paused = True
+
+    def resume(self) -> None:
+        self._paused = False
+        self._wake()
+
+    def prepare_batch(self, batch_size: int | None = None, timeout: float | None = None):
+        """Block until `batch_size` (default B) fresh groups are ready; return them collated
+        (a TensorDict of B·G rows with `sample_ids` besides the usual keys)."""
+        from areal_flow.data.collate import collate_groups
+
+        size = batch_size or self.config.batch_size
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                if self._fatal is not None:
+                    raise self._fatal
+                dropped = self._drop_stale_locked()
+                if len(self._queue) >= size:
+                    groups = [self._queue.popleft() for _ in range(size)]
+                    self._consumed += size
+                    for g in groups:
+                        self._inflight[g.sample_id] -= 1
+                    version = self._version
+                    break
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(f"fewer than {size} groups ready after {timeout} s")
+                self._cond.wait(remaining)
+        if dropped:
+            self._wake()
+        batch = collate_groups([g.episodes for g in groups],
+                               pad_token_id=self.tokenizer.pad_token_id or 0)
+        import torch
+
+        batch["sample_ids"] = torch.tensor(
+            [g.sample_id for g in groups for _ in g.episodes], dtype=torch.long)
+        lags = (version - batch["versions"][batch["loss_mask"]]).tolist()
+        self._counts.update(f"staleness/{lag}" for lag in lags)
+        return batch
+
+    def rollout_batch(
+        self, samples: Sequence[dict[str, Any]], *, sampling: SamplingParams | None = None,
+        group_size: int = 1,
+    ) -> list[list[Episode]]:
+        """Run the workflow on `samples` now (evaluation), `group_size` episodes each, outside
+        the training admission accounting; samples that keep failing give empty lists."""
+        if self._portal is None:
+            raise RuntimeError("start() the scheduler first")
+        return self._portal.call(self._rollout_now, list(samples), sampling or self.sampling,
+                                 group_size)
+
+    def stats(self) -> dict[str, float]:
+        """Counters since the last call, and current gauges."""
+        with self._cond:
+            counts, self._counts = self._counts, Counter()
+            peak, self._peak_running = self._peak_running, self._running_episodes
+            gauges = {
+                "version": self._version,
+                "running_episodes": self._running_episodes,
+                "running_groups": self._running_groups,
+                "queued_groups": len(self._queue),
+                "accepted_total": self._accepted,
+                "peak_running_episodes": peak,
+            }
+        return {**gauges, **counts}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the dataset iterator stands and what must be re-admitted after a restart."""
+        with self._cond:
+            pending = [*self._pending, *sorted(self._inflight.elements())]
+            return {
+                "position": self._position,
+                "version": self._version,
+                "consumed": self._consumed,
+                "pending": pending,
+            }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore before `start()`: groups in flight at save time are admitted again first."""
+        if self._portal is not None:
+            raise RuntimeError("load_state_dict() before start()")
+        self._position = int(state["position"])
+        self._version = int(state["version"])
+        self._consumed = self._accepted = int(state["consumed"])
+        self._pending = deque(int(i) for i in state["pending"])
+
+    # -- the event loop -----------------------------------------------------------------
+
+    def _wake(self) -> None:
+        """Re-check admission (from the trainer thread)."""
+        if self._portal is not None:
+            try:
+                self._portal.call(self._notify)
+            except RuntimeError:  # the portal is shutting down
+                pass
+
+    def _notify(self) -> None:
+        if self._changed is not None:
+            self._changed.set()
+
+    def _can_admit(self) -> bool:
+        c = self.config
+        return (
+            not self._paused
+            and self._fatal is None
+            and self._running_episodes + c.group_size <= c.max_concurrent
+            and (c.max_staleness + self._version + 1) * c.batch_size
+            > self._accepted + self._running_groups
+        )
+
+    async def _admit_forever(self) -> None:
+        try:
+            with anyio.CancelScope() as self._cancel:
+                async with anyio.create_task_group() as tg:
+                    while True:
+                        self._changed = anyio.Event()
+                        with self._cond:
+                            admit = self._can_admit()
+                            if admit:
+                                sample_id = self._next_sample_id()
+                                self._inflight[sample_id] += 1
+                                self._running_groups += 1
+                                self._running_episodes += self.config.group_size
+                                self._peak_running = max(self._peak_running,
+                                                         self._running_episodes)
+                                self._counts["admitted_groups"] += 1
+                        if admit:
+                            tg.start_soon(self._run_group, sample_id)
+                        else:
+                            await self._changed.wait()
+        except Exception as exc:  # a bug in the scheduler must not leave the trainer waiting
+            log.exception("rollout scheduler crashed")
+            self._fail(RolloutError(f"the rollout scheduler crashed: {exc!r}"))
+
+    def _next_sample_id(self) -> int:
+        if self._pending:
+            return self._pending.popleft()
+        epoch, k = divmod(self._position, len(self.dataset))
+        self._position += 1
+        if epoch not in self._permutations:
+            order = list(range(len(self.dataset)))
+            if self.shuffle:
+                random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+            self._permutations = {epoch: order}
+        return self._permutations[epoch][k]
+
+    async def _run_group(self, sample_id: int) -> None:
+        group, outcome = None, "cancelled"
+        try:
+            group, outcome = await self._attempt(sample_id, self.dataset[sample_id],
+                                                 self.config.group_size, self.sampling,
+                                                 training=True)
+        finally:
+            with self._cond:
+                self._running_groups -= 1
+                self._running_episodes -= self.config.group_size
+                accepted = group is not None and self._accept_locked(group)
+                if not accepted:
+                    self._inflight[sample_id] -= 1
+                    if group is None:
+                        self._counts[outcome] += 1
+                self._cond.notify_all()
+            self._notify()
+
+    def _accept_locked(self, group: _Group) -> bool:
+        episodes = group.episodes
+        reason = None
+        if len(episodes) < self.config.min_group_size:
+            reason = "dropped_small_groups"
+        elif not all(f(episodes) for f in self.filters):
+            reason = "dropped_filtered_groups"
+        if reason is not None:
+            self._counts[reason] += 1
+            self._consecutive_drops += 1
+            if self._consecutive_drops >= max(50 * self.config.batch_size, 200):
+                self._fail_locked(RolloutError(
+                    f"the last {self._consecutive_drops} groups were all dropped (too small or "
+                    "rejected by a filter such as dynamic sampling); no batch can be built. "
+                    "Check min_group_size, group_size and the filters"))
+            return False
+        self._queue.append(group)
+        self._accepted += 1
+        self._counts["accepted_groups"] += 1
+        self._consecutive_failures = self._consecutive_drops = 0
+        return True
+
+    async def _attempt(self, sample_id: int, sample: Any, group_size: int,
+                       sampling: SamplingParams, training: bool) -> tuple[_Group | None, str]:
+        """Run one group, retrying it whole on errors: (group, "") or (None, why not).
+        Evaluation runs (`training=False`) leave the training counters alone."""
+        counts = self._counts if training else Counter()
+        tries = self.config.max_retries + 1
+        for attempt in range(tries):
+            try:
+                episodes = await self._episodes(sample_id, sample, group_size, attempt, sampling)
+            except PromptTooLong as exc:
+                log.info("sample %s skipped: %s", sample_id, exc)
+                return None, "skipped_long_prompts"
+            except Exception as exc:
+                counts["workflow_errors"] += 1
+                log.warning("workflow %r failed on sample %s (attempt %d of %d): %r",
+                            self.workflow.name, sample_id, attempt + 1, tries, exc, exc_info=exc)
+                last = exc
+                continue
+            kept = [ep for ep in episodes if ep is not None]
+            counts["rejected_episodes"] += len(episodes) - len(kept)
+            return _Group(sample_id, kept), ""
+        if training:
+            with self._cond:
+                self._consecutive_failures += 1
+                if self._consecutive_failures >= max(self.config.batch_size, 3):
+                    self._fail_locked(RolloutError(
+                        f"workflow {self.workflow.name!r} failed on {self._consecutive_failures} "
+                        f"samples in a row (each tried {tries} times); last error on sample "
+                        f"{sample_id}: {last!r}"))
+        return None, "failed_samples"
+
+    async def _episodes(self, sample_id: int, sample: Any, group_size: int, attempt: int,
+                        sampling: SamplingParams) -> list[Episode | None]:
+        results: list[Episode | None] = [None] * group_size
+
+        async def one(i: int) -> None:
+            ctx = RolloutContext(
+                pool=self.pool, tokenizer=self.tokenizer, score=self._score,
+                sampling=sampling, episode_id=f"{sample_id}/{attempt}/{i}",
+                config=self.workflow_config, max_prompt_tokens=self.config.max_prompt_tokens,
+            )
+            episode = await self.workflow.fn(ctx, sample)
+            if episode is not None and not isinstance(episode, Episode):
+                raise TypeError(f"workflow {self.workflow.name!r} returned "
+                                f"{type(episode).__name__}; expected an Episode or None")
+            if episode is not None:
+                episode.info.setdefault("sample_id", sample_id)
+            results[i] = episode
+
+        try:
+            async with anyio.create_task_group() as tg:
+                for i in range(group_size):
+                    tg.start_soon(one, i)
+        except BaseExceptionGroup as group:  # one episode failed: the others were cancelled
+            raise group.exceptions[0] from None
+        return results
+
+    async def _rollout_now(self, samples: list[dict[str, Any]], sampling: SamplingParams,
+                           group_size: int) -> list[list[Episode]]:
+        out: list[list[Episode]] = [[] for _ in samples]
+        limit = anyio.CapacityLimiter(max(1, self.config.max_concurrent // group_size))
+        async def run(i: int) -> None:
+            async with limit:
+                group, _ = await self._attempt(-1 - i, samples[i], group_size, sampling,
+                                               training=False)
+                out[i] = group.episodes if group is not None else []
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(samples)):
+                tg.start_soon(run, i)
+        return out
+
+    # -- failure ------------------------------------------------------------------------
+
+    def _fail(self, error: RolloutError) -> None:
+        with self._cond:
+            self._fail_locked(error)
+
+    def _fail_locked(self, error: RolloutError) -> None:
+        if self._fatal is None:
+            self._fatal = error
+        self._cond.notify_all()
+
+    def _drop_stale_locked(self) -> int:
+        oldest_allowed = self._version - self.config.max_staleness
+        fresh, stale = deque(), []
+        for g in self._queue:
+            oldest = g.oldest_version()
+            (stale if oldest is not None and oldest < oldest_allowed else fresh).append(g)
+        if stale:
+            for g in stale:
+                self._inflight[g.sample_id] -= 1
+            self._queue = fresh
+            self._accepted -= len(stale)
+            self._counts["dropped_stale_groups"] += len(stale)
+        return len(stale)

@@ -1,0 +1,105 @@
+"""`RolloutContext`: everything a `@workflow` function may touch while it builds one episode."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+
+from areal_flow.types import Completion, Episode, GenerationPool, GenerationRequest, SamplingParams
+
+
+class PromptTooLong(ValueError):
+    """The chat prompt exceeds `max_prompt_tokens`; the scheduler skips the sample."""
+
+
+class RolloutContext:
+    """Passed to every workflow call; one context per episode.
+
+    Token-in/token-out: prompts are built as token ids once (`chat`, `chat_delta`, `encode`), and
+    completions are kept as the tokens the model produced, never re-tokenized from text.
+    """
+
+    def __init__(
+        self,
+        *,
+        pool: GenerationPool,
+        tokenizer: Any,
+        score: Callable[..., Any],
+        sampling: SamplingParams,
+        episode_id: str,
+        config: Any = None,
+        max_prompt_tokens: int | None = None,
+    ):
+        self.pool = pool
+        self.tokenizer = tokenizer
+        self.sampling = sampling
+        self.episode_id = episode_id
+        self.config = config
+        """The workflow's options (an instance of its declared config class), or None."""
+        self.max_prompt_tokens = max_prompt_tokens
+        self._score = score
+
+    def chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """The chat template applied to `messages`, ending with the assistant's turn opener."""
+        ids = _ids(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
+            raise PromptTooLong(
+                f"prompt of {len(ids)} tokens exceeds max_prompt_tokens={self.max_prompt_tokens}"
+            )
+        return ids
+
+    def chat_delta(self, history: list[dict[str, str]], new: list[dict[str, str]]) -> list[int]:
+        """Tokens the chat template adds when the messages `new` follow `history`, whose last
+        message is the assistant turn the model just produced (ending in its EOS token), up to
+        and including the next assistant opener.
+
+        Only the template's text after the model's EOS is tokenized; the model's own tokens stay
+        as generated. Raises if the template renders earlier turns differently once more follow.
+        """
+        before = self.tokenizer.apply_chat_template(history, tokenize=False)
+        after = self.tokenizer.apply_chat_template(
+            [*history, *new], tokenize=False, add_generation_prompt=True
+        )
+        eos = self.tokenizer.eos_token
+        cut = before.rfind(eos) if eos else -1
+        prefix = before[: cut + len(eos)] if cut >= 0 else before  # the model stopped at its EOS
+        if not after.startswith(prefix):
+            raise ValueError(
+                "this chat template renders earlier turns differently once more turns follow; "
+                "build multi-turn prompts with ctx.encode instead"
+            )
+        return self.encode(after[len(prefix):])
+
+    def encode(self, text: str) -> list[int]:
+        """Tokens of `text` without special tokens added (tool output, feedback)."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    async def generate(self, prompt_ids: Sequence[int], **sampling: Any) -> Completion:
+        """Continue `prompt_ids`; keyword arguments override this run's sampling settings."""
+        params = attrs.evolve(self.sampling, **sampling) if sampling else self.sampling
+        request = GenerationRequest(input_ids=prompt_ids, sampling=params,
+                                    episode_id=self.episode_id)
+        return await self.pool.generate(request)
+
+    async def reward(self, reward: Any, *args: Any, **kwargs: Any) -> float:
+        """Score with a registered reward (name, or the decorated function) in the reward runner:
+        a hung, crashing or raising reward scores its default."""
+        return await self._score(reward, *args, **kwargs)
+
+    def episode(
+        self,
+        prompt_ids: Sequence[int],
+        completion: Completion | None = None,
+        *,
+        reward: float | None = None,
+    ) -> Episode:
+        """Start an episode: the prompt (not trained on), optionally a completion and a reward."""
+        return Episode.start(prompt_ids, completion, reward=reward)
+
+
+def _ids(encoded: Any) -> list[int]:
+    # transformers 5 returns a BatchEncoding from apply_chat_template; older versions a list
+    ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
+    return [int(t) for t in ids]
