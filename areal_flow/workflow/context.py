@@ -72,6 +72,29 @@ class RolloutContext:
             )
         return self.encode(after[len(prefix):])
 
+    def stop_at(self, completion: Completion, marker: str) -> Completion:
+        """`completion` cut right after the token whose text completes `marker` (finish reason
+        "stop"), or unchanged when the marker does not occur. Dropped tokens never influenced
+        the kept ones, so their logprobs stay exact."""
+        decode = self.tokenizer.decode
+        if marker not in decode(completion.token_ids):
+            return completion
+        lo, hi = 1, len(completion.token_ids)  # smallest prefix whose text holds the marker
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if marker in decode(completion.token_ids[:mid]):
+                hi = mid
+            else:
+                lo = mid + 1
+        return attrs.evolve(
+            completion,
+            token_ids=completion.token_ids[:lo],
+            logprobs=completion.logprobs[:lo],
+            versions=completion.versions[:lo],
+            finish_reason="stop",
+            text=decode(completion.token_ids[:lo], skip_special_tokens=True),
+        )
+
     def encode(self, text: str) -> list[int]:
         """Tokens of `text` without special tokens added (tool output, feedback)."""
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -97,6 +120,18 @@ class RolloutContext:
     ) -> Episode:
         """Start an episode: the prompt (not trained on), optionally a completion and a reward."""
         return Episode.start(prompt_ids, completion, reward=reward)
+
+
+def field(sample: dict[str, Any], name: str) -> Any:
+    """`sample[name]`, or an error naming the missing field and the fields the row has."""
+    try:
+        return sample[name]
+    except (KeyError, TypeError):
+        fields = ", ".join(map(str, sample)) if isinstance(sample, dict) else type(sample).__name__
+        raise KeyError(
+            f"dataset row has no field {name!r} (it has: {fields}); point the workflow config "
+            "at the right field"
+        ) from None
 
 
 def _ids(encoded: Any) -> list[int]:
