@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import tyro
 from rich.console import Console
@@ -61,9 +61,34 @@ def check_reward(
     return 0 if report.ok else 1
 
 
+def serve(
+    model: str,
+    port: int,
+    host: str = "127.0.0.1",
+    dtype: Literal["float32", "bfloat16"] = "float32",
+    max_batch_size: int = 64,
+    seed: int = 0,
+) -> int:
+    """Serve a model with the local engine behind SGLang's HTTP protocol (the part areal_flow
+    uses), for CPU machines and tests where SGLang cannot run. Ready when GET /health answers 200.
+
+    Args:
+        model: A save_pretrained folder (or hub id when online).
+        port: Port to listen on.
+        host: Address to listen on.
+        dtype: Weights' dtype.
+        max_batch_size: Most sequences decoded together; more requests wait in a queue.
+        seed: Seeds the sampling of requests that carry no sampling_seed.
+    """
+    from areal_flow.inference.server import serve as run_server
+
+    run_server(model, host=host, port=port, dtype=dtype, max_batch_size=max_batch_size, seed=seed)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     return tyro.extras.subcommand_cli_from_dict(
-        {"plugins": plugins, "check-reward": check_reward},
+        {"plugins": plugins, "check-reward": check_reward, "serve": serve},
         prog="areal-flow",
         description="areal_flow: asynchronous RL post-training for LLMs.",
         args=argv,

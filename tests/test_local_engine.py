@@ -280,3 +280,36 @@ def test_a_bucket_of_tensors_updates_only_those(tiny_model_dir):
         assert engine.version == 1
     finally:
         engine.close()
+
+
+def test_an_abort_never_reaches_requests_submitted_after_it(engine):
+    async def main():
+        first = request(prompts(1)[0], temperature=0, max_new_tokens=400, ignore_eos=True)
+        later = request(prompts(1)[0], temperature=0, max_new_tokens=5, ignore_eos=True)
+        later = GenerationRequest(input_ids=later.input_ids, sampling=later.sampling,
+                                  rid=first.rid)  # same id, submitted after the abort
+        started = threading.Event()
+        engine.on_step = lambda eng: started.set()
+        task = asyncio.ensure_future(engine.generate(first))
+        await asyncio.to_thread(started.wait, 60)
+        engine.on_step = None
+        engine.pause()  # the loop is parked: the abort stays pending until it runs again
+        engine.abort(None)
+        engine.abort(first.rid)
+        second = asyncio.ensure_future(engine.generate(later))
+        engine.resume()
+        return await task, await second
+
+    aborted, untouched = asyncio.run(main())
+    assert aborted.finish_reason == "abort"
+    assert untouched.finish_reason == "length" and len(untouched.token_ids) == 5
+
+
+def test_set_version_relabels_new_tokens(tiny_model_dir):
+    engine = LocalEngine(tiny_model_dir)
+    try:
+        engine.set_version(7)
+        out = asyncio.run(engine.generate(request([3, 4], temperature=0, max_new_tokens=3)))
+        assert set(out.versions) == {7}
+    finally:
+        engine.close()

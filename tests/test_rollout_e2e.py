@@ -82,10 +82,11 @@ def test_rollout_batch_evaluates_greedily_outside_training(tiny_model_dir, runne
     config = RolloutConfig(batch_size=1, group_size=1, max_concurrent=8, max_staleness=0)
     greedy = SamplingParams(max_new_tokens=8, temperature=0)
     try:
-        with RolloutScheduler(pool=engine, workflow="rlvr", dataset=DATA, tokenizer=tokenizer,
-                              score=runner.score, config=config,
-                              sampling=SamplingParams(max_new_tokens=4)) as scheduler:
-            scheduler.pause()  # no training admissions: only the evaluation runs
+        scheduler = RolloutScheduler(pool=engine, workflow="rlvr", dataset=DATA,
+                                     tokenizer=tokenizer, score=runner.score, config=config,
+                                     sampling=SamplingParams(max_new_tokens=4))
+        scheduler.pause()  # no training admissions: only the evaluation runs
+        with scheduler:
             groups = scheduler.rollout_batch(DATA[:3], sampling=greedy)
             assert scheduler.stats()["accepted_total"] == 0
         for sample, group in zip(DATA[:3], groups):

@@ -38,6 +38,8 @@ class _Sequence:
     request: GenerationRequest
     future: concurrent.futures.Future
     generator: torch.Generator | None
+    serial: int
+    """Submission order: an abort applies to requests submitted before it, never after."""
     tokens: list[int] = attrs.field(factory=list)
     logprobs: list[float] = attrs.field(factory=list)
     versions: list[int] = attrs.field(factory=list)
@@ -90,7 +92,8 @@ class LocalEngine:
 
         self._cv = threading.Condition()
         self._waiting: deque[_Sequence] = deque()
-        self._abort: set[str | None] = set()  # request ids to cancel; None cancels all
+        # request id (None: every request) -> last submission serial the abort applies to
+        self._abort: dict[str | None, int] = {}
         self._paused = False
         self._idle = True
         self._closing = False
@@ -131,12 +134,13 @@ class LocalEngine:
         if seed is None and not request.sampling.greedy:
             seed = int(torch.randint(0, 2**62, (1,), generator=self._rng))
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
-        seq = _Sequence(request=request, future=concurrent.futures.Future(), generator=generator)
         with self._cv:
             if self._closing:
                 raise RuntimeError("the local engine is closed")
-            self._waiting.append(seq)
             self._totals.submitted += 1
+            seq = _Sequence(request=request, future=concurrent.futures.Future(),
+                            generator=generator, serial=self._totals.submitted)
+            self._waiting.append(seq)
             self._cv.notify_all()
         return seq
 
@@ -144,7 +148,7 @@ class LocalEngine:
         """Explicit cancellation: the request (every request when `rid` is None) returns at once
         with ``finish_reason="abort"`` and its tokens so far."""
         with self._cv:
-            self._abort.add(rid)
+            self._abort[rid] = self._totals.submitted
             self._cv.notify_all()
 
     def pause(self, wait: bool = True) -> None:
@@ -165,6 +169,11 @@ class LocalEngine:
     @property
     def paused(self) -> bool:
         return self._paused
+
+    def set_version(self, version: int) -> None:
+        """Relabel the loaded weights (SGLang's `/update_weight_version`); tokens generated from
+        now on carry `version`."""
+        self._version = version
 
     def update_weights(self, update: WeightUpdate) -> None:
         """Load a state dict (all tensors, or a subset for bucketed updates) or a
@@ -258,7 +267,8 @@ class LocalEngine:
         if not self._abort:
             return
         def cancelled(seq: _Sequence) -> bool:
-            return None in self._abort or seq.request.rid in self._abort or seq.future.done()
+            upto = max(self._abort.get(None, 0), self._abort.get(seq.request.rid, 0))
+            return seq.serial <= upto or seq.future.done()
 
         dropped = [s for s in [*self._waiting, *self._running] if cancelled(s)]
         self._waiting = deque(s for s in self._waiting if not cancelled(s))
@@ -347,6 +357,7 @@ class LocalEngine:
         if self._cache is None:
             self._cache, self._mask, self._running = cache, mask, list(admitted)
             return
+        # lists are replaced, never mutated: abort() may read them from another thread
         width = max(self._mask.shape[1], mask.shape[1])
 
         def left_pad(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -363,7 +374,7 @@ class LocalEngine:
         ]
         self._cache = DynamicCache(ddp_cache_data=layers, config=self.model.config)
         self._mask = torch.cat([left_pad(self._mask, 1), left_pad(mask, 1)])
-        self._running += admitted
+        self._running = [*self._running, *admitted]
 
     def _keep(self, rows: list[int]) -> None:
         """Keep only `rows` of the running batch and drop padding columns nobody needs."""

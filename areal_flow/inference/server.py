@@ -1,0 +1,625 @@
+"""SGLang's HTTP protocol (the part areal_flow uses) in front of the in-process `LocalEngine`.
+
+An SGLang server cannot start on a CPU-only machine, so tests and CPU runs start this one instead
+(`areal-flow serve`), and the SGLang generation pool talks to it exactly as to SGLang. Field names,
+defaults, status codes and response shapes follow SGLang's ``entrypoints/http_server.py``,
+``managers/io_struct.py``, ``sampling/sampling_params.py`` and ``utils/weight_versions.py``
+(SGLANG_PROTOCOL.md has the summary). Where this server differs:
+
+- One sequence per ``/generate``; no streaming, no ``text`` prompt, no stop strings, penalties,
+  grammars, ``n > 1`` or prompt logprobs. Such a field, or an unknown one, is refused with 400
+  naming it, so a client never silently gets other semantics. Errors are SGLang's
+  ``{"error": {"message": ...}}`` with status 400.
+- Weight versions are integers here (sent as strings). ``/update_weights_from_disk`` without
+  ``weight_version`` bumps the version by one (SGLang keeps it), so tokens from the new weights
+  never carry the old version; ``/update_weights_from_distributed`` without it keeps the version,
+  as SGLang does, because a bucketed update names the version on its last bucket only.
+- ``meta_info.weight_versions`` is always sent (SGLang's current behaviour): half-open
+  ``[start, end)`` spans over the output tokens, one per run of tokens from one version;
+  ``weight_version`` is the last span's.
+- ``in_place`` pauses like ``retract``: held requests are re-prefilled under the weights loaded
+  at ``/continue_generation`` (the engine keeps no KV cache across a pause). There is no prefix
+  cache, so ``/flush_cache`` always succeeds and ``cached_tokens`` is 0.
+- The weight-update group is this process's default torch.distributed group: a server is in one
+  group at a time (``/destroy_weights_update_group`` leaves it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import time
+import uuid
+from typing import Any
+
+import anyio.to_thread
+import attrs
+import cattrs
+import torch
+import torch.distributed as dist
+from cattrs.v import format_exception
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from areal_flow.inference.local import LocalEngine
+from areal_flow.types import (
+    Completion,
+    DistributedWeights,
+    GenerationRequest,
+    SamplingParams,
+    WeightUpdate,
+)
+
+GREEDY_BELOW = 1e-6
+"""SGLang samples greedily when 0 <= temperature < 1e-6."""
+HEALTH_CHECK_TIMEOUT_S = 20.0
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+class BadRequest(ValueError):
+    """A body that does not validate; answered 400 ``{"error": {"message": ...}}``."""
+
+
+# ---------------------------------------------------------------------------- request bodies
+
+
+def _unsupported(default: Any, *also: Any) -> Any:
+    """A field SGLang has and this server does not implement: only its no-op values pass."""
+
+    def check(_: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if value not in (default, *also):
+            raise ValueError(
+                f"'{attribute.name}' is not supported by this server: {value!r} "
+                f"(only {default!r})"
+            )
+
+    return attrs.field(default=default, validator=check)
+
+
+def _version_field(name: str, **kwargs: Any) -> Any:
+    """SGLang sends versions as strings; this server's versions are integers >= 0."""
+
+    def convert(value: Any) -> int | None:
+        if value is None:
+            return None
+        text = str(value)
+        if isinstance(value, bool) or not isinstance(value, (int, str)) or not (
+            text.isascii() and text.isdigit()
+        ):
+            raise ValueError(f"'{name}' must be a non-negative integer or its string: {value!r}")
+        return int(text)
+
+    return attrs.field(converter=convert, **kwargs)
+
+
+def _one_sequence(value: Any) -> list[int]:
+    if isinstance(value, list) and value and all(isinstance(x, list) for x in value):
+        raise ValueError("'input_ids' holds a batch; this server takes one sequence per request")
+    if not isinstance(value, list) or not all(
+        isinstance(x, int) and not isinstance(x, bool) for x in value
+    ):
+        raise ValueError("'input_ids' must be a list of integer token ids")
+    return value
+
+
+@attrs.frozen(kw_only=True)
+class _Sampling:
+    """SGLang's ``sampling_params``."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    stop_token_ids: list[int] = attrs.field(factory=list)
+    ignore_eos: bool = False
+    sampling_seed: int | None = None
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    spaces_between_special_tokens: bool = True  # text layout only
+    stream_interval: int | None = None  # streaming only
+    stop: Any = _unsupported(None, "", [])
+    stop_regex: Any = _unsupported(None, "", [])
+    n: Any = _unsupported(1)
+    frequency_penalty: Any = _unsupported(0.0)
+    presence_penalty: Any = _unsupported(0.0)
+    repetition_penalty: Any = _unsupported(1.0)
+    min_new_tokens: Any = _unsupported(0)
+    json_schema: Any = _unsupported(None)
+    regex: Any = _unsupported(None)
+    ebnf: Any = _unsupported(None)
+    structural_tag: Any = _unsupported(None)
+    logit_bias: Any = _unsupported(None, {})
+    custom_params: Any = _unsupported(None, {})
+
+    def params(self) -> SamplingParams:
+        greedy = 0.0 <= self.temperature < GREEDY_BELOW
+        return SamplingParams(
+            max_new_tokens=self.max_new_tokens,
+            temperature=0.0 if greedy else self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            seed=self.sampling_seed,
+        )
+
+
+@attrs.frozen(kw_only=True)
+class _Generate:
+    input_ids: Any = attrs.field(converter=_one_sequence)  # Any: the converter checks it
+    sampling_params: _Sampling = attrs.field(factory=_Sampling)
+    rid: str | None = None
+    return_logprob: bool = False
+    return_text_in_logprobs: bool = False
+    log_metrics: bool = True
+    logprob_start_len: Any = _unsupported(-1)
+    top_logprobs_num: Any = _unsupported(0)
+    token_ids_logprob: Any = _unsupported(None)
+    return_hidden_states: Any = _unsupported(False)
+    stream: Any = _unsupported(False)
+    text: Any = _unsupported(None)
+
+
+@attrs.frozen(kw_only=True)
+class _Pause:
+    mode: str = attrs.field(default="abort", validator=attrs.validators.in_(PAUSE_MODES))
+
+
+@attrs.frozen(kw_only=True)
+class _Continue:
+    torch_empty_cache: bool = True
+
+
+@attrs.frozen(kw_only=True)
+class _Abort:
+    rid: str = ""
+    abort_all: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class _DiskUpdate:
+    model_path: str
+    weight_version: Any = _version_field("weight_version", default=None)
+    abort_all_requests: bool = False
+    flush_cache: bool = True
+    keep_pause: bool = False
+    torch_empty_cache: bool = False
+    recapture_cuda_graph: bool = False
+    token_step: int = 0
+    load_format: Any = _unsupported(None, "auto")
+    is_async: Any = _unsupported(False)
+    manifest: Any = _unsupported(None)
+
+
+@attrs.frozen(kw_only=True)
+class _VersionUpdate:
+    new_version: Any = _version_field("new_version")
+    abort_all_requests: bool = True
+
+
+@attrs.frozen(kw_only=True)
+class _GroupInit:
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+
+@attrs.frozen(kw_only=True)
+class _DistributedUpdate:
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    weight_version: Any = _version_field("weight_version", default=None)
+    abort_all_requests: bool = False
+    flush_cache: bool = True
+    torch_empty_cache: bool = False
+    load_format: Any = _unsupported(None, "auto")
+
+
+@attrs.frozen(kw_only=True)
+class _GroupDestroy:
+    group_name: str = "weight_update_group"
+
+
+def _strict(kind: type, accepted: type | tuple[type, ...]):
+    """JSON scalars as they are: true is not 1, "5" is not 5, 2.5 is not 2."""
+
+    def structure(value: Any, _: Any) -> Any:
+        if isinstance(value, bool) != (kind is bool) or not isinstance(value, accepted):
+            raise TypeError(f"expected {kind.__name__}, got {type(value).__name__}")
+        return kind(value)
+
+    return structure
+
+
+_converter = cattrs.Converter(forbid_extra_keys=True)
+for _kind, _accepted in ((int, int), (float, (int, float)), (bool, bool), (str, str)):
+    _converter.register_structure_hook(_kind, _strict(_kind, _accepted))
+
+
+def _describe(exc: BaseException, type_: Any) -> str:
+    if isinstance(exc, (ValueError, TypeError)):
+        return str(exc)
+    return format_exception(exc, type_)
+
+
+def _without_nulls(data: dict) -> dict:
+    """SGLang reads a JSON null as 'use the default'."""
+    return {k: _without_nulls(v) if isinstance(v, dict) else v
+            for k, v in data.items() if v is not None}
+
+
+async def _parse(request: Request, cls: type) -> Any:
+    raw = await request.body()
+    try:
+        data = json.loads(raw) if raw.strip() else {}
+    except ValueError:
+        raise BadRequest("the request body is not valid JSON") from None
+    if not isinstance(data, dict):
+        raise BadRequest("the request body must be a JSON object")
+    try:
+        return _converter.structure(_without_nulls(data), cls)
+    except Exception as exc:  # cattrs gathers every problem with its path
+        problems = cattrs.transform_error(exc, path="body", format_exception=_describe)
+        raise BadRequest("; ".join(problems)) from None
+
+
+# ---------------------------------------------------------------------------- responses
+
+
+_FINISH_REASONS = {
+    "stop": lambda c: {"type": "stop", "matched": c.token_ids[-1]},
+    "length": lambda c: {"type": "length", "length": len(c.token_ids)},
+    "abort": lambda c: {"type": "abort", "message": "Aborted", "status_code": None,
+                        "err_type": None},
+}
+
+
+def version_spans(versions: tuple[int, ...], current: int) -> list[dict[str, Any]]:
+    """SGLang's ``weight_versions``: one half-open ``[start, end)`` span of output-token
+    positions per run of tokens from one version (a single empty span when there are none)."""
+    spans: list[dict[str, Any]] = []
+    for i, version in enumerate(map(str, versions)):
+        if spans and spans[-1]["version"] == version:
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": version, "start": i, "end": i + 1})
+    return spans or [{"version": str(current), "start": 0, "end": 0}]
+
+
+def _result(success: bool, message: str, **extra: Any) -> JSONResponse:
+    return JSONResponse({"success": success, "message": message, **extra},
+                        status_code=200 if success else 400)
+
+
+# ---------------------------------------------------------------------------- the server
+
+
+class _Server:
+    """Request handlers over one engine. New requests wait at a gate while generation is paused
+    (as SGLang's tokenizer manager holds them); control calls that block run in worker threads."""
+
+    def __init__(self, engine: LocalEngine):
+        self.engine = engine
+        self.stopping = False
+        self.resumed = asyncio.Event()
+        self.resumed.set()
+        self.held = 0
+        """Requests waiting at the gate for `/continue_generation`."""
+        self.inflight: set[str] = set()
+        self.drained = asyncio.Event()
+        self.drained.set()
+        self.control = asyncio.Lock()
+        self.group: str | None = None
+        self.group_lock = asyncio.Lock()
+        self.pause_modes = {"abort": self._abort_and_drain, "retract": self._hold,
+                            "in_place": self._hold}
+
+    # -- generation
+
+    async def generate(self, request: Request) -> Response:
+        body: _Generate = await _parse(request, _Generate)
+        try:
+            req = GenerationRequest(input_ids=body.input_ids, rid=body.rid or uuid.uuid4().hex,
+                                    sampling=body.sampling_params.params())
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+        start = time.perf_counter()
+        self.held += 1
+        try:
+            while not self.resumed.is_set():
+                await self.resumed.wait()
+        finally:
+            self.held -= 1
+        completion = await self._run(req, request)
+        return JSONResponse(self._reply(req, body, completion, time.perf_counter() - start))
+
+    async def _run(self, req: GenerationRequest, request: Request | None = None) -> Completion:
+        # Nothing here awaits before `submit`: a pause cannot slip between the gate and the engine.
+        if req.rid in self.inflight:
+            raise BadRequest(f"duplicate request id ('rid'): {req.rid!r}")
+        try:
+            seq = self.engine.submit(req)
+        except ValueError as exc:  # prompt + max_new_tokens beyond the model's positions
+            raise BadRequest(str(exc)) from None
+        self.inflight.add(req.rid)
+        self.drained.clear()
+        watcher = None if request is None else asyncio.create_task(
+            self._abort_on_disconnect(request, req.rid))
+        try:
+            return await asyncio.wrap_future(seq.future)
+        except asyncio.CancelledError:
+            self.engine.abort(req.rid)
+            raise
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+            self.inflight.discard(req.rid)
+            if not self.inflight:
+                self.drained.set()
+
+    async def _abort_on_disconnect(self, request: Request, rid: str) -> None:
+        """The body is read, so the next ASGI message is the client going away."""
+        while (await request.receive()).get("type") != "http.disconnect":
+            pass
+        self.engine.abort(rid)
+
+    def _reply(self, req: GenerationRequest, body: _Generate, c: Completion,
+               latency: float) -> dict:
+        sp = body.sampling_params
+        trim = c.finish_reason == "stop" and not sp.no_stop_trim  # SGLang drops it from the text
+        text_ids = c.token_ids[:-1] if trim else c.token_ids
+        spans = version_spans(c.versions, self.engine.version)
+        meta: dict[str, Any] = {
+            "id": req.rid,
+            "finish_reason": _FINISH_REASONS[c.finish_reason](c),
+            "prompt_tokens": len(req.input_ids),
+            "completion_tokens": len(c.token_ids),
+            "cached_tokens": 0,
+            "weight_version": spans[-1]["version"],
+            "weight_versions": spans,
+            "e2e_latency": latency,
+        }
+        if body.return_logprob:
+            decode = self.engine.tokenizer.decode
+            meta["output_token_logprobs"] = [
+                [logprob, token, decode([token]) if body.return_text_in_logprobs else None]
+                for logprob, token in zip(c.logprobs, c.token_ids)
+            ]
+        text = self.engine.tokenizer.decode(text_ids, skip_special_tokens=sp.skip_special_tokens)
+        return {"text": text, "output_ids": list(c.token_ids), "meta_info": meta}
+
+    # -- health and information
+
+    async def health(self, request: Request) -> Response:
+        return Response(status_code=503 if self.stopping else 200)
+
+    async def health_generate(self, request: Request) -> Response:
+        """One greedy token from ``[0]``; 503 while paused, stopping, or after 20 s."""
+        if self.stopping or not self.resumed.is_set():
+            return Response(status_code=503)
+        req = GenerationRequest(input_ids=[0], rid=f"HEALTH_CHECK_{uuid.uuid4().hex}",
+                                sampling=SamplingParams(max_new_tokens=1, temperature=0.0))
+        try:
+            async with asyncio.timeout(HEALTH_CHECK_TIMEOUT_S):
+                await self._run(req)
+        except Exception:
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    async def model_info(self, request: Request) -> Response:
+        config = self.engine.model.config
+        return JSONResponse({
+            "model_path": self.engine.model_path,
+            "tokenizer_path": self.engine.model_path,
+            "served_model_name": self.engine.model_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": str(self.engine.version),
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": getattr(config, "model_type", None),
+            "architectures": getattr(config, "architectures", None),
+        })
+
+    # -- pausing and aborting
+
+    async def pause_generation(self, request: Request) -> Response:
+        body: _Pause = await _parse(request, _Pause)
+        async with self.control:
+            self.resumed.clear()
+            await self.pause_modes[body.mode]()
+        return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def _abort_and_drain(self) -> None:
+        """Running requests return at once, finish_reason abort, with their tokens so far."""
+        self._abort()
+        await self.drained.wait()
+
+    async def _hold(self) -> None:
+        """Running requests wait in the engine and continue after `/continue_generation`."""
+        await anyio.to_thread.run_sync(self.engine.pause)
+
+    async def continue_generation(self, request: Request) -> Response:
+        await _parse(request, _Continue)
+        async with self.control:
+            self.engine.resume()
+            self.resumed.set()
+        return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def abort_request(self, request: Request) -> Response:
+        body: _Abort = await _parse(request, _Abort)
+        self._abort(None if body.abort_all else body.rid)
+        return Response(status_code=200)
+
+    def _abort(self, rid: str | None = None) -> None:
+        """Abort one in-flight request, or all of them. All is done request by request: the
+        engine applies an abort at its next step, and an engine-wide one would also hit a request
+        submitted in between. Unknown ids are ignored, as in SGLang."""
+        for target in list(self.inflight) if rid is None else [rid]:
+            if target in self.inflight:
+                self.engine.abort(target)
+
+    async def flush_cache(self, request: Request) -> Response:
+        return PlainTextResponse(
+            "Cache flushed.\nPlease check backend logs for more details. (When there are running "
+            "or waiting requests, the operation will not be performed.)\n"
+        )
+
+    # -- weights
+
+    async def _load(self, update: WeightUpdate, abort_all: bool) -> int:
+        """Load under the control lock; returns how many requests wait through the update."""
+        if abort_all:
+            self._abort()
+        paused = 0 if abort_all else len(self.inflight)
+        await anyio.to_thread.run_sync(self.engine.update_weights, update)
+        return paused
+
+    async def update_weights_from_disk(self, request: Request) -> Response:
+        body: _DiskUpdate = await _parse(request, _DiskUpdate)
+        async with self.control:
+            version = body.weight_version
+            version = self.engine.version + 1 if version is None else version
+            try:
+                paused = await self._load(WeightUpdate(version=version, path=body.model_path),
+                                          body.abort_all_requests)
+            except Exception as exc:
+                return _result(False, f"Failed to update weights: {exc}", num_paused_requests=0)
+        return _result(True, f"Succeeded to update model weights. Weight version updated to "
+                             f"{version}.", num_paused_requests=paused)
+
+    async def update_weight_version(self, request: Request) -> Response:
+        body: _VersionUpdate = await _parse(request, _VersionUpdate)
+        async with self.control:
+            if body.abort_all_requests:
+                self._abort()
+            self.engine.set_version(body.new_version)
+        return JSONResponse({"success": True, "message": f"Weight version updated to "
+                             f"{body.new_version}", "new_version": str(body.new_version)})
+
+    async def init_weights_update_group(self, request: Request) -> Response:
+        body: _GroupInit = await _parse(request, _GroupInit)
+        async with self.group_lock:  # blocks until every rank joins, so not the control lock
+            if self.group is not None:
+                return _result(False, f"already in weight update group {self.group!r}")
+            join = functools.partial(
+                dist.init_process_group, backend=body.backend, world_size=body.world_size,
+                rank=body.rank_offset,
+                init_method=f"tcp://{body.master_address}:{body.master_port}",
+            )
+            try:
+                await anyio.to_thread.run_sync(join)
+            except Exception as exc:
+                return _result(False, f"Failed to initialize custom process group: {exc}")
+            self.group = body.group_name
+        return _result(True, "Succeeded to initialize custom process group.")
+
+    async def update_weights_from_distributed(self, request: Request) -> Response:
+        body: _DistributedUpdate = await _parse(request, _DistributedUpdate)
+        try:
+            meta = DistributedWeights(names=body.names, dtypes=body.dtypes, shapes=body.shapes,
+                                      group_name=body.group_name)
+            dtypes = [_torch_dtype(d) for d in meta.dtypes]
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+        async with self.group_lock:
+            if self.group != meta.group_name:
+                return _result(False, f"not in weight update group {meta.group_name!r}; call "
+                                      "/init_weights_update_group first")
+            receive = functools.partial(_receive, meta, dtypes, self.engine.device)
+            try:
+                tensors = await anyio.to_thread.run_sync(receive)
+            except Exception as exc:
+                return _result(False, f"Failed to receive weights: {exc}")
+        async with self.control:
+            version = self.engine.version if body.weight_version is None else body.weight_version
+            try:
+                await self._load(WeightUpdate(version=version, state_dict=tensors),
+                                 body.abort_all_requests)
+            except Exception as exc:
+                return _result(False, f"Failed to update parameter online: {exc}")
+        return _result(True, f"Succeeded to update parameter online. Weight version is {version}.")
+
+    async def destroy_weights_update_group(self, request: Request) -> Response:
+        body: _GroupDestroy = await _parse(request, _GroupDestroy)
+        async with self.group_lock:
+            if self.group != body.group_name:
+                return _result(False, f"not in weight update group {body.group_name!r}")
+            dist.destroy_process_group()
+            self.group = None
+        return _result(True, "Succeeded to destroy custom process group.")
+
+    def close(self) -> None:
+        self.stopping = True
+        if self.group is not None:
+            dist.destroy_process_group()
+            self.group = None
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"'dtypes' holds an unknown torch dtype: {name!r}")
+    return dtype
+
+
+def _receive(meta: DistributedWeights, dtypes: list[torch.dtype], device: torch.device) -> dict:
+    """The trainer (rank 0 of the group) broadcasts the tensors in the order of `meta.names`."""
+    tensors = {}
+    for name, dtype, shape in zip(meta.names, dtypes, meta.shapes):
+        tensors[name] = torch.empty(shape, dtype=dtype, device=device)
+        dist.broadcast(tensors[name], src=0)
+    return tensors
+
+
+async def _bad_request(request: Request, exc: Exception) -> Response:
+    return JSONResponse({"error": {"message": str(exc)}}, status_code=400)
+
+
+def build_app(engine: LocalEngine) -> Starlette:
+    """The HTTP app over `engine` (the caller owns and closes the engine; ``app.state.server``
+    holds the handlers)."""
+    s = _Server(engine)
+    post, get = ["POST"], ["GET"]
+    routes = [
+        Route("/generate", s.generate, methods=["POST", "PUT"]),
+        Route("/health", s.health, methods=get),
+        Route("/health_generate", s.health_generate, methods=get),
+        Route("/model_info", s.model_info, methods=get),
+        Route("/get_model_info", s.model_info, methods=get),  # SGLang's deprecated alias
+        Route("/pause_generation", s.pause_generation, methods=post),
+        Route("/continue_generation", s.continue_generation, methods=post),
+        Route("/abort_request", s.abort_request, methods=post),
+        Route("/flush_cache", s.flush_cache, methods=["GET", "POST"]),
+        Route("/update_weights_from_disk", s.update_weights_from_disk, methods=post),
+        Route("/update_weight_version", s.update_weight_version, methods=post),
+        Route("/init_weights_update_group", s.init_weights_update_group, methods=post),
+        Route("/update_weights_from_distributed", s.update_weights_from_distributed, methods=post),
+        Route("/destroy_weights_update_group", s.destroy_weights_update_group, methods=post),
+    ]
+    app = Starlette(routes=routes, exception_handlers={BadRequest: _bad_request})
+    app.state.server = s
+    return app
+
+
+def serve(model: str, host: str = "127.0.0.1", port: int = 30000, **engine_kwargs: Any) -> None:
+    """Load `model` into a `LocalEngine` and serve it until interrupted (SGLang's default port)."""
+    import uvicorn
+
+    engine = LocalEngine(model, **engine_kwargs)
+    app = build_app(engine)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="warning")
+    finally:
+        app.state.server.close()
+        engine.close()
