@@ -1,0 +1,122 @@
+"""Scheduler behaviour around failures, long prompts and restarts, with an instant pool."""
+
+from __future__ import annotations
+
+import pytest
+
+from areal_flow import workflow
+from areal_flow.config import RolloutConfig
+from areal_flow.rollout.scheduler import RolloutError, RolloutScheduler
+from areal_flow.types import Completion, SamplingParams
+from areal_flow.workflow.context import field
+
+
+class InstantPool:
+    version = 0
+
+    async def generate(self, request):
+        return Completion(token_ids=[5, 6], logprobs=[-1.0, -1.0], versions=[self.version] * 2,
+                          finish_reason="stop")
+
+
+class NullTokenizer:
+    pad_token_id = 0
+
+    def apply_chat_template(self, messages, add_generation_prompt=True):
+        return {"input_ids": [1] * len(messages[0]["content"])}
+
+
+attempts: dict[int, int] = {}
+
+
+@workflow("tests.flaky")
+async def flaky(ctx, sample):
+    """Fails `sample["fails"]` times before it succeeds."""
+    attempts[sample["id"]] = attempts.get(sample["id"], 0) + 1
+    if attempts[sample["id"]] <= sample["fails"]:
+        raise RuntimeError(f"flaky {sample['id']}")
+    prompt = ctx.chat([{"role": "user", "content": field(sample, "text")}])
+    return ctx.episode(prompt, await ctx.generate(prompt), reward=1.0)
+
+
+async def unused(*args, **kwargs):
+    raise AssertionError
+
+
+def scheduler(dataset, **config):
+    return RolloutScheduler(
+        pool=InstantPool(), workflow="tests.flaky", dataset=dataset, tokenizer=NullTokenizer(),
+        score=unused, config=RolloutConfig(**{"max_concurrent": 8, "group_size": 2, **config}),
+        sampling=SamplingParams(), shuffle=False)
+
+
+def test_a_failing_workflow_is_retried_whole_and_counted():
+    attempts.clear()
+    data = [{"id": 0, "fails": 2, "text": "ab"}, {"id": 1, "fails": 0, "text": "abc"}]
+    with scheduler(data, batch_size=2, group_size=1, max_retries=2, max_staleness=0) as s:
+        batch = s.prepare_batch(timeout=30)
+        stats = s.stats()
+    assert sorted(set(batch["sample_ids"].tolist())) == [0, 1]
+    assert stats["workflow_errors"] == 2 and "failed_samples" not in stats
+    assert attempts[0] == 3  # two failures, then the retry that succeeded
+
+
+def test_one_failing_episode_reruns_its_whole_group():
+    attempts.clear()
+    data = [{"id": 0, "fails": 1, "text": "ab"}]
+    with scheduler(data, batch_size=1, group_size=3, max_retries=1, max_staleness=0) as s:
+        batch = s.prepare_batch(timeout=30)
+        stats = s.stats()
+    assert batch["sample_ids"].tolist() == [0, 0, 0]  # a whole group, never a partial one
+    assert stats["workflow_errors"] == 1 and attempts[0] >= 4
+
+
+def test_samples_that_keep_failing_end_in_a_clear_error():
+    attempts.clear()
+    data = [{"id": i, "fails": 99, "text": "a"} for i in range(4)]
+    with scheduler(data, batch_size=2, max_retries=1) as s:
+        with pytest.raises(RolloutError, match=r"failed on 3 samples in a row .* RuntimeError"):
+            s.prepare_batch(timeout=30)
+
+
+def test_a_missing_field_reaches_the_trainer_by_name():
+    attempts.clear()
+    data = [{"id": i, "fails": 0, "txt": "a"} for i in range(4)]
+    with scheduler(data, batch_size=1, max_retries=0) as s:
+        with pytest.raises(RolloutError, match="no field 'text'"):
+            s.prepare_batch(timeout=30)
+
+
+def test_long_prompts_are_skipped_and_counted():
+    attempts.clear()
+    data = [{"id": 0, "fails": 0, "text": "x" * 50}, {"id": 1, "fails": 0, "text": "short"}]
+    with scheduler(data, batch_size=1, max_prompt_tokens=10, max_staleness=0) as s:
+        batch = s.prepare_batch(timeout=30)
+        stats = s.stats()
+    assert batch["sample_ids"].tolist() == [1, 1]
+    assert stats["skipped_long_prompts"] >= 1 and "workflow_errors" not in stats
+
+
+def test_a_restart_readmits_unconsumed_prompts_first_and_keeps_admission_right():
+    attempts.clear()
+    data = [{"id": i, "fails": 0, "text": "ab"} for i in range(10)]
+    with scheduler(data, batch_size=2, max_staleness=1) as s:
+        first = s.prepare_batch(timeout=30)
+        s.set_version(1)
+        s.settle()
+        state = s.state_dict()
+    consumed = sorted(set(first["sample_ids"].tolist()))
+    assert state["version"] == 1 and state["consumed"] == 2
+    # η=1 at version 1 admits up to 3 batches' worth of groups: 2 consumed, 4 left unconsumed
+    assert len(state["pending"]) == 4 and not set(state["pending"]) & set(consumed)
+
+    restored = scheduler(data, batch_size=2, max_staleness=1)
+    restored.load_state_dict(state)
+    restored.pause()
+    with restored:
+        restored.resume()
+        batches = [restored.prepare_batch(timeout=30) for _ in range(2)]
+        stats = restored.stats()
+    seen = [sorted(set(b["sample_ids"].tolist())) for b in batches]
+    assert sorted(seen[0] + seen[1]) == sorted(state["pending"])
+    assert stats["version"] == 1 and stats["accepted_total"] <= (1 + 1 + 1) * 2
