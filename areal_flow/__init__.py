@@ -18,6 +18,7 @@ from areal_flow.types import (
     WeightUpdate,
 )
 from areal_flow.workflow import workflow
+from areal_flow.workflow.context import RolloutContext
 
 __version__ = "0.1.0"
 
@@ -29,6 +30,7 @@ __all__ = [
     "GenerationRequest",
     "LossOutput",
     "ModelOutput",
+    "RolloutContext",
     "SamplingParams",
     "WeightUpdate",
     "algorithm",
