@@ -1,0 +1,358 @@
+"""The SPMD training engine: a Hugging Face causal LM (or a value model) sharded with FSDP2.
+
+Every rank runs the same code (`torchrun`; one process is a valid world). Rank 0 holds the
+full batch; `train` scatters whole groups balanced by tokens, runs the algorithm's role forwards
+and `advantages` (on rank 0, over the full batch), then its `loss` over micro-batches.
+
+Loss normalisation: each micro-batch's `loss_sum` is back-propagated unscaled; once all
+micro-batches of an optimizer step are done, the normalizers are summed over micro-batches and
+ranks (or a constant is used as it is) and the gradients are scaled by world / total (FSDP2
+averages gradients over ranks). The update therefore does not depend on how the batch was split.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+from attrs import validators as v
+from tensordict import TensorDict
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from transformers import AutoModel, AutoModelForCausalLM, get_constant_schedule_with_warmup
+
+from areal_flow.config import OptimizerConfig
+from areal_flow.runtime.microbatch import assign_groups, micro_batches, split_to_count
+from areal_flow.types import Algorithm, ModelOutput
+
+
+SUMMED_UNITS = {"tokens": True, "sequences": True, "constant": False}
+"""Whether a `LossOutput.normalizer` of this unit is summed over micro-batches and ranks."""
+
+
+@attrs.frozen(kw_only=True)
+class TrainConfig:
+    """How the policy (and critic) are trained."""
+
+    optim: OptimizerConfig = attrs.field(factory=OptimizerConfig)
+    max_tokens_per_mb: int = attrs.field(default=8192, validator=v.ge(1))
+    """Padded tokens (rows x longest row) per micro-batch."""
+    ppo_minibatches: int = attrs.field(default=1, validator=v.ge(1))
+    """Optimizer steps per batch; the batch's groups are split evenly between them."""
+    bf16: bool = False
+    """bf16 compute with fp32 master weights and fp32 gradient reduction."""
+    activation_checkpointing: bool = False
+    """Recompute decoder-layer activations in backward to save memory."""
+
+
+def init_distributed() -> tuple[int, int, torch.device]:
+    """Join the process group torchrun describes, or make a one-process world."""
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend)
+        else:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}",
+                                    rank=0, world_size=1)
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def shutdown_distributed() -> None:
+    """Barrier, then destroy the group: exiting without it sometimes aborts at exit."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+class ValueModel(torch.nn.Module):
+    """A causal LM's backbone with a scalar head: one value per position."""
+
+    def __init__(self, path: str):
+        super().__init__()
+        self.backbone = AutoModel.from_pretrained(path, dtype=torch.float32)
+        self.head = torch.nn.Linear(self.backbone.config.hidden_size, 1)
+        torch.nn.init.zeros_(self.head.weight)
+        torch.nn.init.zeros_(self.head.bias)
+        self.config = self.backbone.config
+        self._no_split_modules = getattr(self.backbone, "_no_split_modules", None)
+
+    def forward(self, input_ids, attention_mask):
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return self.head(hidden).squeeze(-1)
+
+
+class TrainEngine:
+    """One model under FSDP2 with its optimizer (none when `trainable` is False: a reference).
+
+    Args:
+        model: a `save_pretrained` folder.
+        config: training settings.
+        value: build a value model (critic) instead of a causal LM.
+        trainable: False for a frozen reference model.
+        total_steps: optimizer steps planned (for the LR schedule; warmup then constant).
+    """
+
+    def __init__(self, model: str | Path, config: TrainConfig, *, value: bool = False,
+                 trainable: bool = True):
+        self.rank, self.world_size, self.device = init_distributed()
+        self.config = config
+        self.value = value
+        path = str(model)
+        module = ValueModel(path) if value else AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, attn_implementation="sdpa")
+        if config.activation_checkpointing:
+            (module.backbone if value else module).gradient_checkpointing_enable()
+        module.to(self.device)
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if config.bf16 else MixedPrecisionPolicy()
+        layer_types = set(module._no_split_modules or ())
+        for layer in [m for m in module.modules() if type(m).__name__ in layer_types]:
+            fully_shard(layer, mp_policy=policy)
+        fully_shard(module, mp_policy=policy)
+        self.model = module
+        self.optimizer = self.scheduler = None
+        if trainable:
+            o = config.optim
+            self.optimizer = torch.optim.AdamW(module.parameters(), lr=o.lr, betas=o.betas,
+                                               weight_decay=o.weight_decay)
+            self.scheduler = get_constant_schedule_with_warmup(self.optimizer, o.warmup_steps)
+        else:
+            module.requires_grad_(False)
+        self.steps = 0
+
+    # -- forward passes -----------------------------------------------------------------
+
+    def outputs(self, mb: TensorDict) -> ModelOutput:
+        """Per-token logprobs and entropy at each row's temperature (values for a critic),
+        aligned with `input_ids`: position t is about token t given tokens < t; 0 is zero."""
+        ids = mb["input_ids"].to(self.device)
+        mask = mb["attention_mask"].to(self.device)
+        if self.value:
+            values = self.model(ids, mask).float()[:, :-1]
+            return ModelOutput(logprobs=torch.zeros_like(values), values=_shift(values))
+        logits = self.model(input_ids=ids, attention_mask=mask.long(), use_cache=False).logits
+        temperature = mb["temperature"].to(self.device).float()[:, None, None]
+        logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+        token_logp = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
+        entropy = -(logp.exp() * logp).sum(-1)
+        return ModelOutput(logprobs=_shift(token_logp), entropy=_shift(entropy))
+
+    @torch.no_grad()
+    def forward(self, batch: TensorDict) -> TensorDict:
+        """`outputs` for every row of this rank's batch, micro-batched; all ranks must call it
+        (with their own rows) the same number of times, which `_plan` guarantees."""
+        rows = batch.batch_size[0]
+        logprobs = torch.zeros(batch["input_ids"].shape)
+        entropy = torch.zeros(batch["input_ids"].shape)
+        values = torch.zeros(batch["input_ids"].shape)
+        for mb_rows in self._plan(batch):
+            if not mb_rows:
+                self._dummy_pass(backward=False)
+                continue
+            mb = _trim(batch[torch.tensor(mb_rows)])
+            out = self.outputs(mb)
+            width = mb["input_ids"].shape[1]
+            index = torch.tensor(mb_rows)
+            logprobs[index, :width] = out.logprobs.float().cpu()
+            if out.entropy is not None:
+                entropy[index, :width] = out.entropy.float().cpu()
+            if out.values is not None:
+                values[index, :width] = out.values.float().cpu()
+        return TensorDict({"logprobs": logprobs, "entropy": entropy, "values": values},
+                          batch_size=[rows])
+
+    # -- training -----------------------------------------------------------------------
+
+    def train(self, batch: TensorDict | None, algorithm: Algorithm, *,
+              critic: TrainEngine | None = None, ref: TrainEngine | None = None) -> dict:
+        """One batch: scatter, role forwards, advantages (rank 0), then optimizer steps.
+
+        Rank 0 passes the full batch; other ranks pass None. If rank 0 passes an exception
+        (its rollout failed), every rank raises it instead of waiting forever.
+        """
+        shard, owned = self._scatter(batch)
+        roles = set(algorithm.roles)
+        role_outputs = {}
+        if "actor" in roles:
+            role_outputs["prox_logprobs"] = self.forward(shard)["logprobs"]
+        if "ref" in roles and ref is not None:
+            role_outputs["ref_logprobs"] = ref.forward(shard)["logprobs"]
+        if "critic" in roles and critic is not None:
+            role_outputs["values"] = critic.forward(shard)["values"]
+        for key, value in role_outputs.items():
+            shard[key] = value
+        shard = self._advantages_on_rank0(shard, owned, algorithm)
+
+        stats: dict[str, list[float]] = defaultdict(list)
+        for mini in _split_groups(shard, self.config.ppo_minibatches):
+            for key, value in self._step(mini, algorithm.loss).items():
+                stats[key].append(value)
+            if critic is not None and hasattr(algorithm, "critic_loss"):
+                for key, value in critic._step(mini, algorithm.critic_loss).items():
+                    stats[f"critic/{key}"].append(value)
+        return {k: sum(vs) / len(vs) for k, vs in stats.items()}
+
+    def _step(self, mini: TensorDict, loss_fn) -> dict[str, float]:
+        """One optimizer step over `mini` (this rank's rows)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = summed = peak = 0.0
+        constant = False
+        sums: dict[str, float] = defaultdict(float)
+        count = 0
+        for mb_rows in self._plan(mini):
+            if not mb_rows:
+                self._dummy_pass(backward=True)
+                continue
+            mb = _trim(mini[torch.tensor(mb_rows)])
+            result = loss_fn(self.outputs(mb), mb.to(self.device))
+            result.loss_sum.backward()
+            loss_sum += float(result.loss_sum.detach())
+            summed += float(result.normalizer)
+            peak = max(peak, float(result.normalizer))
+            constant = not SUMMED_UNITS[result.unit]
+            for key, value in result.stats.items():
+                sums[key] += float(value)
+            count += 1
+        totals = torch.tensor([loss_sum, summed, float(count)], dtype=torch.float64)
+        dist.all_reduce(totals)
+        flags = torch.tensor([peak, float(constant)], dtype=torch.float64)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        # tokens and sequences add up over micro-batches and ranks; a constant is what it is
+        total_norm = float(flags[0]) if flags[1] > 0 else float(totals[1])
+        scale = self.world_size / total_norm if total_norm > 0 else 0.0
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(scale)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                   self.config.optim.max_grad_norm)
+        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor")
+                          else grad_norm)
+        skipped = not math.isfinite(grad_norm)
+        if skipped:
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.optimizer.step()
+            self.scheduler.step()
+            self.steps += 1
+        out = {"loss": float(totals[0]) / total_norm if total_norm > 0 else 0.0,
+               "grad_norm": grad_norm, "skipped_step": float(skipped),
+               "lr": self.scheduler.get_last_lr()[0], "normalizer": total_norm}
+        for key, value in sums.items():
+            out[key] = value / max(count, 1)
+        return out
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """Unsharded gradients of the last step (every rank must call; all get them)."""
+        return {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
+                .detach().cpu().clone()
+                for name, p in self.model.named_parameters() if p.grad is not None}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Unsharded parameters on CPU (every rank must call; all get them)."""
+        return {name: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu()
+                for name, t in self.model.state_dict().items()}
+
+    # -- distribution -------------------------------------------------------------------
+
+    def _scatter(self, batch: TensorDict | BaseException | None) -> tuple[TensorDict, list]:
+        """Whole groups to ranks, balanced by tokens; returns this rank's rows and the row
+        indices every rank owns (for gathering back on rank 0)."""
+        payload = [None]
+        if self.rank == 0:
+            if isinstance(batch, BaseException) or batch is None:
+                error = batch or RuntimeError("rank 0 called train() without a batch")
+                payload = [("error", repr(error))]
+            else:
+                payload = [("ok", _partition(batch, self.world_size))]
+        dist.broadcast_object_list(payload, src=0)  # small: row indices, or the error
+        status, owned = payload[0]
+        if status == "error":
+            raise RuntimeError(f"rank 0 failed before training: {owned}")
+        shards = [batch[torch.tensor(rows, dtype=torch.long)] for rows in owned] \
+            if self.rank == 0 else None
+        received = [None]
+        dist.scatter_object_list(received, shards, src=0)
+        return received[0], owned
+
+    def _advantages_on_rank0(self, shard: TensorDict, owned: list, algorithm) -> TensorDict:
+        gathered = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(shard, gathered, dst=0)
+        shards = None
+        if self.rank == 0:
+            full = torch.cat([s for s in gathered if s.batch_size[0] > 0])
+            full = algorithm.advantages(full)
+            bounds = [0]
+            for rows in owned:
+                bounds.append(bounds[-1] + len(rows))
+            shards = [full[bounds[i]:bounds[i + 1]] for i in range(self.world_size)]
+        received = [None]
+        dist.scatter_object_list(received, shards, src=0)
+        return received[0]
+
+    def _plan(self, batch: TensorDict) -> list[list[int]]:
+        """Micro-batches of this rank's rows; every rank gets the same number (empty lists are
+        dummy passes) because FSDP's collectives need every rank in every forward/backward."""
+        lengths = batch["attention_mask"].sum(-1).tolist() if batch.batch_size[0] else []
+        bins = micro_batches(lengths, self.config.max_tokens_per_mb) if lengths else []
+        count = torch.tensor([len(bins)])
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        bins = split_to_count(bins, lengths, int(count))
+        return [sorted(b) for b in bins] + [[] for _ in range(int(count) - len(bins))]
+
+    def _dummy_pass(self, backward: bool) -> None:
+        ids = torch.zeros((1, 2), dtype=torch.long, device=self.device)
+        mask = torch.ones_like(ids)
+        with torch.set_grad_enabled(backward):
+            out = self.model(ids, mask) if self.value else \
+                self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+            if backward:
+                (out.float().sum() * 0.0).backward()
+
+
+def _shift(t: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.pad(t, (1, 0))
+
+
+def _trim(mb: TensorDict) -> TensorDict:
+    """Drop padding columns no row of this micro-batch uses (rows are right-padded)."""
+    width = int(mb["attention_mask"].sum(-1).max())
+    return mb.apply(lambda t: t[:, :width] if t.dim() > 1 else t, batch_size=mb.batch_size)
+
+
+def _partition(batch: TensorDict, world_size: int) -> list[list[int]]:
+    group_ids = batch["group_ids"].tolist()
+    lengths = batch["attention_mask"].sum(-1).tolist()
+    groups: dict[int, list[int]] = defaultdict(list)
+    for row, gid in enumerate(group_ids):
+        groups[gid].append(row)
+    order = list(groups)
+    tokens = [sum(lengths[r] for r in groups[g]) for g in order]
+    return [[r for gi in owned for r in groups[order[gi]]]
+            for owned in assign_groups(tokens, world_size)]
+
+
+def _split_groups(shard: TensorDict, parts: int) -> list[TensorDict]:
+    """This rank's rows in `parts` mini-batches of whole groups (same count on every rank)."""
+    gids = sorted(set(shard["group_ids"].tolist())) if shard.batch_size[0] else []
+    chunks = [gids[i::parts] for i in range(parts)]
+    out = []
+    for chunk in chunks:
+        rows = [r for r, g in enumerate(shard["group_ids"].tolist()) if g in set(chunk)]
+        out.append(shard[torch.tensor(rows, dtype=torch.long)])
+    return out
+
+

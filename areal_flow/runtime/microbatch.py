@@ -1,0 +1,67 @@
+"""Splitting a batch: whole groups across ranks, rows into micro-batches under a token budget.
+
+Pure functions on lengths, so they are property-tested without processes. A micro-batch is
+padded to its longest row, so its cost is rows x longest row; sorting rows by length keeps that
+padding small (sdpa on CPU has no padding-free varlen path).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+
+
+def assign_groups(group_tokens: Sequence[int], world_size: int) -> list[list[int]]:
+    """Whole groups to ranks, balancing tokens: largest group first to the least-loaded rank.
+
+    Returns, per rank, the indices of its groups (in ascending order). A rank may get none when
+    there are fewer groups than ranks.
+    """
+    heap = [(0, rank) for rank in range(world_size)]
+    owned: list[list[int]] = [[] for _ in range(world_size)]
+    for g in sorted(range(len(group_tokens)), key=lambda i: (-group_tokens[i], i)):
+        load, rank = heapq.heappop(heap)
+        owned[rank].append(g)
+        heapq.heappush(heap, (load + group_tokens[g], rank))
+    return [sorted(groups) for groups in owned]
+
+
+def padded_cost(lengths: Sequence[int], rows: Sequence[int]) -> int:
+    return len(rows) * max((lengths[r] for r in rows), default=0)
+
+
+def micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Rows into micro-batches whose padded size (rows x longest row) stays within `max_tokens`.
+
+    Rows are taken longest first, each into the first micro-batch it fits (first-fit
+    decreasing), so rows of similar length share padding. A row longer than the budget gets a
+    micro-batch of its own.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"'max_tokens_per_mb' must be >= 1: {max_tokens}")
+    bins: list[list[int]] = []
+    for row in sorted(range(len(lengths)), key=lambda r: (-lengths[r], r)):
+        for rows in bins:
+            # rows arrive longest first, so the bin's longest row is its first
+            if (len(rows) + 1) * lengths[rows[0]] <= max_tokens:
+                rows.append(row)
+                break
+        else:
+            bins.append([row])
+    return bins
+
+
+def split_to_count(bins: list[list[int]], lengths: Sequence[int], count: int) -> list[list[int]]:
+    """Split the costliest micro-batches until there are `count` of them (every rank must run
+    the same number of forward/backward passes under FSDP). Bins of one row cannot be split;
+    the caller pads with empty micro-batches if `count` is still not reached."""
+    bins = [list(b) for b in bins]
+    while len(bins) < count:
+        splittable = [b for b in bins if len(b) > 1]
+        if not splittable:
+            break
+        largest = max(splittable, key=lambda b: padded_cost(lengths, b))
+        bins.remove(largest)
+        half = len(largest) // 2
+        bins += [largest[:half], largest[half:]]
+    return bins
