@@ -65,6 +65,8 @@ if __name__ == "__main__":
     config = TrainConfig(optim=OptimizerConfig(lr=1e-2), max_tokens_per_mb=mb_tokens)
     engine = TrainEngine(model_dir, config)
     batch = fixed_batch(engine.model.config.vocab_size) if engine.rank == 0 else None
+    if kind == "fail":  # rank 0's rollout broke: every rank must stop, none may hang
+        engine.train(RuntimeError("the rollout broke") if engine.rank == 0 else None, TokenNLL())
     algorithm = LOSSES[kind]()
     losses, grads = [], None
     for step in range(3):

@@ -100,3 +100,14 @@ def test_parameters_moved_far_beyond_the_tolerance(equivalence_runs, tiny_model_
     start = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
     end = equivalence_runs["token_1rank"]["params"]
     assert max((end[k] - start[k]).abs().max().item() for k in end) > 100 * PARAM_TOL
+
+
+def test_a_failure_on_rank_zero_stops_every_rank(tiny_model_dir, tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", "29640", str(SCRIPT), str(tiny_model_dir), str(tmp_path / "x.pt"),
+         "fail", "1000"], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    # both ranks report rank 0's error rather than one of them waiting for a batch forever
+    assert (proc.stdout + proc.stderr).count("rank 0 failed before training") >= 2

@@ -266,6 +266,56 @@ class TrainEngine:
         return {name: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu()
                 for name, t in self.model.state_dict().items()}
 
+    # -- checkpoints --------------------------------------------------------------------
+
+    def save_hf(self, path: str | Path, tokenizer_from: str | Path | None = None) -> None:
+        """A `save_pretrained` folder (loadable by transformers and SGLang); every rank calls,
+        rank 0 writes. The tokenizer files are copied from `tokenizer_from` when given."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(
+            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.rank == 0:
+            self.model.save_pretrained(path, state_dict=state)
+            if tokenizer_from is not None:
+                from transformers import AutoTokenizer
+
+                AutoTokenizer.from_pretrained(tokenizer_from).save_pretrained(path)
+        dist.barrier()
+
+    def save_checkpoint(self, path: str | Path, extra_state: Any = None) -> None:
+        """Everything exact resume needs: sharded model and optimizer (torch.distributed
+        checkpoint), LR schedule, step count, RNG states and `extra_state` (e.g. the rollout
+        scheduler's state dict). Every rank calls."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        path = Path(path)
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(path / "dcp"))
+        if self.rank == 0:
+            torch.save({"scheduler": self.scheduler.state_dict(), "steps": self.steps,
+                        "rng": torch.get_rng_state(), "extra_state": extra_state},
+                       path / "trainer_state.pt")
+        dist.barrier()
+
+    def load_checkpoint(self, path: str | Path) -> Any:
+        """Restore `save_checkpoint`'s state on every rank; returns its `extra_state`."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        path = Path(path)
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_state, "optim": optim_state}
+        dcp.load(state, checkpoint_id=str(path / "dcp"))
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        trainer = torch.load(path / "trainer_state.pt", weights_only=False)
+        self.scheduler.load_state_dict(trainer["scheduler"])
+        self.steps = trainer["steps"]
+        torch.set_rng_state(trainer["rng"])
+        return trainer["extra_state"]
+
     # -- distribution -------------------------------------------------------------------
 
     def _scatter(self, batch: TensorDict | BaseException | None) -> tuple[TensorDict, list]:
