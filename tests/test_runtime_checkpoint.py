@@ -78,3 +78,79 @@ def test_weight_sync_makes_the_local_engine_match_the_trainer(world, tiny_model_
     mine = trainer.forward(TensorDict(rows, batch_size=[1]))["logprobs"][0, len(prompt):]
     torch.testing.assert_close(torch.tensor(out.logprobs), mine, atol=1e-4, rtol=1e-4)
     assert set(out.versions) == {1}
+
+
+class Recorder(TokenNLL):
+    """Declares every role and records what the runtime wrote into the batch before advantages."""
+
+    roles = ("actor", "ref", "critic")
+
+    def advantages(self, batch):
+        self.seen = batch.clone()
+        return batch
+
+    def critic_loss(self, out, mb):
+        from areal_flow.types import LossOutput
+
+        mask = mb["loss_mask"].float()
+        return LossOutput(loss_sum=((out.values - 1.0) ** 2 * mask).sum(), normalizer=mask.sum(),
+                          unit="tokens")
+
+
+def test_role_forwards_fill_the_batch_and_the_critic_learns(world, tiny_model_dir):
+    config = TrainConfig(optim=OptimizerConfig(lr=5e-2), max_tokens_per_mb=400)
+    critic_config = TrainConfig(optim=OptimizerConfig(lr=3e-3), max_tokens_per_mb=400)
+    actor = TrainEngine(tiny_model_dir, config)
+    critic = TrainEngine(tiny_model_dir, critic_config, value=True)
+    ref = TrainEngine(tiny_model_dir, config, trainable=False)
+    batch = fixed_batch(actor.model.config.vocab_size)
+    algorithm = Recorder()
+    first = actor.train(batch, algorithm, critic=critic, ref=ref)
+    seen = algorithm.seen
+    mask = seen["loss_mask"]
+    # before any update, the policy and the reference agree, and the fresh critic's head is zero
+    torch.testing.assert_close(seen["prox_logprobs"][mask], seen["ref_logprobs"][mask])
+    assert bool((seen["values"] == 0).all())
+    expected = actor.forward(batch)  # after one step the policy moved away from the reference
+    assert not torch.allclose(expected["logprobs"][mask], seen["ref_logprobs"][mask])
+    losses = [first["critic/loss"]] + [actor.train(batch, algorithm, critic=critic,
+                                                   ref=ref)["critic/loss"] for _ in range(5)]
+    assert losses[-1] < losses[0] * 0.5
+
+
+def test_warmup_and_a_non_finite_gradient_skip(world, tiny_model_dir):
+    config = TrainConfig(optim=OptimizerConfig(lr=1e-2, warmup_steps=4), max_tokens_per_mb=400)
+    trainer = TrainEngine(tiny_model_dir, config)
+    batch = fixed_batch(trainer.model.config.vocab_size)
+    stats = trainer.train(batch, TokenNLL())
+    assert stats["lr"] == pytest.approx(1e-2 / 4) and stats["grad_norm"] > 0
+
+    class Exploding(TokenNLL):
+        def loss(self, out, mb):
+            result = super().loss(out, mb)
+            return type(result)(loss_sum=result.loss_sum * float("inf"),
+                                normalizer=result.normalizer, unit="tokens")
+
+    before = trainer.full_state_dict()
+    stats = trainer.train(batch, Exploding())
+    assert stats["skipped_step"] == 1.0 and trainer.steps == 1
+    after = trainer.full_state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_bf16_and_activation_checkpointing_train(world, tiny_model_dir):
+    base = TrainEngine(tiny_model_dir, TrainConfig(max_tokens_per_mb=400))
+    checkpointed = TrainEngine(tiny_model_dir, TrainConfig(max_tokens_per_mb=400,
+                                                           activation_checkpointing=True))
+    bf16 = TrainEngine(tiny_model_dir, TrainConfig(max_tokens_per_mb=400, bf16=True))
+    batch = fixed_batch(base.model.config.vocab_size)
+    for e in (base, checkpointed, bf16):
+        e.train(batch, TokenNLL())
+    grads = [e.full_grads() for e in (base, checkpointed, bf16)]
+    assert max((grads[0][k] - grads[1][k]).abs().max().item() for k in grads[0]) < 1e-6
+    # bf16 compute: same direction, coarser numbers; master weights stay fp32
+    cos = torch.nn.functional.cosine_similarity(
+        torch.cat([g.flatten() for g in grads[0].values()]),
+        torch.cat([g.flatten() for g in grads[2].values()]), dim=0)
+    assert cos > 0.99
+    assert all(t.dtype == torch.float32 for t in bf16.full_state_dict().values())

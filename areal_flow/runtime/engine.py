@@ -115,7 +115,7 @@ class TrainEngine:
         module = ValueModel(path) if value else AutoModelForCausalLM.from_pretrained(
             path, dtype=torch.float32, attn_implementation="sdpa")
         if config.activation_checkpointing:
-            (module.backbone if value else module).gradient_checkpointing_enable()
+            (module.backbone if value else module).activation_checkpointing_enable()
         module.to(self.device)
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
             if config.bf16 else MixedPrecisionPolicy()
@@ -142,8 +142,8 @@ class TrainEngine:
         ids = mb["input_ids"].to(self.device)
         mask = mb["attention_mask"].to(self.device)
         if self.value:
-            values = self.model(ids, mask).float()[:, :-1]
-            return ModelOutput(logprobs=torch.zeros_like(values), values=_shift(values))
+            values = _shift(self.model(ids, mask).float()[:, :-1])
+            return ModelOutput(logprobs=torch.zeros_like(values), values=values)
         logits = self.model(input_ids=ids, attention_mask=mask.long(), use_cache=False).logits
         temperature = mb["temperature"].to(self.device).float()[:, None, None]
         logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
