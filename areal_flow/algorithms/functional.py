@@ -1,0 +1,174 @@
+"""The pieces algorithms are built from: advantages, KL estimators, policy and value losses.
+
+Each function is small, works on padded [rows, tokens] tensors with a boolean `mask` of the
+positions that count, and documents its formula. Notation: r reward, A advantage, ρ = π/π_old
+the probability ratio, ε clip range, G group size.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+Tensor = torch.Tensor
+
+
+def group_advantages(
+    rewards: Tensor,
+    group_ids: Tensor,
+    *,
+    std_normalize: bool = True,
+    leave_one_out: bool = False,
+    eps: float = 1e-6,
+) -> Tensor:
+    """One advantage per row, relative to the other rows of its group.
+
+    mean:          A_i = r_i − mean_g(r)
+    mean+std:      A_i = (r_i − mean_g(r)) / (std_g(r) + eps)       (GRPO; std over the group,
+                                                                    population form)
+    leave-one-out: A_i = r_i − mean_{j≠i}(r_j) = G/(G−1) · (r_i − mean_g(r))   (RLOO)
+    Dr.GRPO uses mean only (std_normalize=False) with a constant loss normalizer.
+    A group of one row gets A = 0.
+    """
+    rewards = rewards.float()
+    _, index, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
+    sums = torch.zeros(len(counts), dtype=rewards.dtype).index_add_(0, index, rewards)
+    mean = (sums / counts)[index]
+    centered = rewards - mean
+    size = counts[index].to(rewards.dtype)
+    if leave_one_out:
+        centered = torch.where(size > 1, centered * size / (size - 1).clamp(min=1), 0.0)
+    if std_normalize:
+        sq = torch.zeros(len(counts), dtype=rewards.dtype).index_add_(0, index, (rewards - mean) ** 2)
+        std = (sq / counts).sqrt()[index]
+        centered = centered / (std + eps)
+    return torch.where(size > 1, centered, torch.zeros_like(centered))
+
+
+def scale_rewards(rewards: Tensor, *, scale: float = 1.0, bias: float = 0.0,
+                  clip: float | None = None) -> Tensor:
+    """r' = clip((r + bias) · scale, −clip, clip)."""
+    out = (rewards + bias) * scale
+    return out.clamp(-clip, clip) if clip is not None else out
+
+
+def gae(rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float = 1.0,
+        lam: float = 1.0) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation over the masked positions of each row.
+
+    The masked positions are the steps t = 1..T of a row, in order; `rewards` holds the reward of
+    each step (usually only the last one is non-zero) and V(T+1) = 0:
+        δ_t = r_t + γ V_{t+1} − V_t,   A_t = δ_t + γλ A_{t+1},   returns R_t = A_t + V_t.
+    Unmasked positions get 0.
+    """
+    advantages = torch.zeros_like(values, dtype=torch.float32)
+    rows, width = values.shape
+    for row in range(rows):
+        steps = mask[row].nonzero().flatten().tolist()
+        next_value, running = 0.0, 0.0
+        for t in reversed(steps):
+            delta = float(rewards[row, t]) + gamma * next_value - float(values[row, t])
+            running = delta + gamma * lam * running
+            advantages[row, t] = running
+            next_value = float(values[row, t])
+    returns = (advantages + values.float()) * mask
+    return advantages, returns
+
+
+KLEstimator = Literal["k1", "k2", "k3"]
+
+
+def kl_k1(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """k1 = log π − log π_ref (unbiased, high variance, can be negative)."""
+    return logp - ref_logp
+
+
+def kl_k2(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """k2 = ½ (log π − log π_ref)² (biased, low variance, ≥ 0)."""
+    return 0.5 * (logp - ref_logp) ** 2
+
+
+def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """k3 = exp(log π_ref − log π) − (log π_ref − log π) − 1 (unbiased, ≥ 0; Schulman)."""
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1
+
+
+KL_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
+
+
+def ppo_surrogate(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float | None = None,
+    dual_clip: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Per-token clipped policy loss and where clipping was active.
+
+    ρ = exp(log π − log π_old);  L = −min(ρA, clip(ρ, 1 − ε_low, 1 + ε_high) A)
+    dual clip (c > 1), for A < 0 only:  L = min(L, −c A)  — bounds the loss of very large ρ.
+    """
+    eps_high = eps_low if eps_high is None else eps_high
+    ratio = torch.exp(logp - old_logp)
+    unclipped = -ratio * advantages
+    clipped = -ratio.clamp(1 - eps_low, 1 + eps_high) * advantages
+    loss = torch.maximum(unclipped, clipped)
+    was_clipped = clipped > unclipped
+    if dual_clip is not None:
+        bound = -dual_clip * advantages
+        dual = (advantages < 0) & (loss > bound)
+        loss = torch.where(dual, bound, loss)
+        was_clipped = was_clipped | dual
+    return loss, was_clipped
+
+
+def importance_weight(prox_logp: Tensor, behav_logp: Tensor,
+                      cap: float | None) -> tuple[Tensor, Tensor]:
+    """Decoupled PPO's behavior correction w = π_prox / π_behav = exp(log π_prox − log π_behav),
+    capped at `cap` (None: uncapped). Returns the weight and where the cap applied."""
+    w = torch.exp(prox_logp - behav_logp)
+    if cap is None:
+        return w, torch.zeros_like(w, dtype=torch.bool)
+    return w.clamp(max=cap), w > cap
+
+
+def aggregate(per_token: Tensor, mask: Tensor,
+              level: Literal["token", "sequence"]) -> tuple[Tensor, float]:
+    """(loss_sum, normalizer): token level sums every masked token and counts tokens; sequence
+    level sums each row's token mean and counts rows with at least one masked token."""
+    mask = mask.float()
+    if level == "token":
+        return (per_token * mask).sum(), float(mask.sum())
+    lengths = mask.sum(-1)
+    has = lengths > 0
+    per_row = (per_token * mask).sum(-1) / lengths.clamp(min=1)
+    return per_row[has].sum(), float(has.sum())
+
+
+def overlong_penalty(lengths: Tensor, *, max_length: int, cache: int,
+                     factor: float = 1.0) -> Tensor:
+    """DAPO's soft overlong punishment, added to the reward:
+        0                                  if L ≤ max − cache
+        −factor · (L − (max − cache)) / cache   if max − cache < L ≤ max
+        −factor                            if L > max
+    """
+    start = max_length - cache
+    soft = -factor * (lengths.float() - start) / max(cache, 1)
+    return torch.where(lengths <= start, torch.zeros_like(soft),
+                       torch.where(lengths <= max_length, soft, torch.full_like(soft, -factor)))
+
+
+def clipped_value_loss(values: Tensor, old_values: Tensor, returns: Tensor,
+                       eps: float) -> Tensor:
+    """Per-token ½ max((V − R)², (V_old + clip(V − V_old, −ε, ε) − R)²)."""
+    clipped = old_values + (values - old_values).clamp(-eps, eps)
+    return 0.5 * torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)
+
+
+def entropy_bonus(entropy: Tensor, coef: float) -> Tensor:
+    """Per-token −coef · H: adding it to the loss rewards higher entropy."""
+    return -coef * entropy

@@ -1,0 +1,160 @@
+"""Every functional piece against a reference written here with plain Python loops."""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from areal_flow.algorithms import functional as F
+
+finite = st.floats(-10, 10, allow_nan=False, width=32)
+
+
+@st.composite
+def grouped_rewards(draw):
+    sizes = draw(st.lists(st.integers(1, 5), min_size=1, max_size=6))
+    group_ids = [g for g, n in enumerate(sizes) for _ in range(n)]
+    order = draw(st.permutations(range(len(group_ids))))  # rows of a group need not be adjacent
+    rewards = [draw(finite) for _ in group_ids]
+    return [rewards[i] for i in order], [group_ids[i] for i in order]
+
+
+@settings(max_examples=150, deadline=None)
+@given(grouped_rewards(), st.booleans(), st.booleans())
+def test_group_advantages_match_the_reference(data, std_normalize, leave_one_out):
+    rewards, group_ids = data
+    got = F.group_advantages(torch.tensor(rewards), torch.tensor(group_ids),
+                             std_normalize=std_normalize, leave_one_out=leave_one_out)
+    for i, (r, g) in enumerate(zip(rewards, group_ids)):
+        members = [rewards[j] for j in range(len(rewards)) if group_ids[j] == g]
+        if len(members) == 1:
+            expected = 0.0
+        else:
+            mean = sum(members) / len(members)
+            expected = r - mean
+            if leave_one_out:
+                others = [rewards[j] for j in range(len(rewards)) if group_ids[j] == g and j != i]
+                expected = r - sum(others) / len(others)
+            if std_normalize:
+                expected /= statistics.pstdev(members) + 1e-6
+        assert got[i].item() == pytest.approx(expected, rel=1e-3, abs=1e-3)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(finite, finite, st.booleans()), min_size=1, max_size=12),
+       st.floats(0.5, 1.0), st.floats(0.0, 1.0))
+def test_gae_matches_the_recursive_definition(steps, gamma, lam):
+    rewards = torch.tensor([[r for r, _, _ in steps]])
+    values = torch.tensor([[v for _, v, _ in steps]])
+    mask = torch.tensor([[m for _, _, m in steps]])
+    adv, ret = F.gae(rewards, values, mask, gamma=gamma, lam=lam)
+    live = [i for i, (_, _, m) in enumerate(steps) if m]
+    expected = {}
+    for k in range(len(live)):  # A_t = Σ_l (γλ)^l δ_{t+l}, written out, not recursively
+        total = 0.0
+        for offset, t in enumerate(live[k:]):
+            nxt = steps[live[k + offset + 1]][1] if k + offset + 1 < len(live) else 0.0
+            delta = steps[t][0] + gamma * nxt - steps[t][1]
+            total += (gamma * lam) ** offset * delta
+        expected[live[k]] = total
+    for i in range(len(steps)):
+        want = expected.get(i, 0.0)
+        assert adv[0, i].item() == pytest.approx(want, rel=1e-3, abs=1e-3)
+        assert ret[0, i].item() == pytest.approx(want + steps[i][1] if i in expected else 0.0,
+                                                 rel=1e-3, abs=1e-3)
+
+
+@given(finite, finite)
+def test_kl_estimators(logp, ref):
+    a, b = torch.tensor(logp), torch.tensor(ref)
+    assert F.KL_ESTIMATORS["k1"](a, b).item() == pytest.approx(logp - ref, abs=1e-4)
+    assert F.KL_ESTIMATORS["k2"](a, b).item() == pytest.approx(0.5 * (logp - ref) ** 2, rel=1e-4,
+                                                               abs=1e-4)
+    k3 = math.exp(ref - logp) - (ref - logp) - 1
+    assert F.KL_ESTIMATORS["k3"](a, b).item() == pytest.approx(k3, rel=1e-3, abs=1e-3)
+    assert F.KL_ESTIMATORS["k3"](a, b).item() >= -1e-6
+
+
+@settings(max_examples=200)
+@given(st.floats(-3, 3), st.floats(-3, 3), finite, st.floats(0.05, 0.5), st.floats(0.05, 0.5),
+       st.one_of(st.none(), st.floats(1.5, 5)))
+def test_ppo_surrogate_matches_the_reference(logp, old, adv, eps_low, eps_high, dual):
+    loss, clipped = F.ppo_surrogate(torch.tensor(logp), torch.tensor(old), torch.tensor(adv),
+                                    eps_low=eps_low, eps_high=eps_high, dual_clip=dual)
+    ratio = math.exp(logp - old)
+    expected = -min(ratio * adv, min(max(ratio, 1 - eps_low), 1 + eps_high) * adv)
+    if dual is not None and adv < 0:
+        expected = min(expected, -dual * adv)
+    assert loss.item() == pytest.approx(expected, rel=1e-3, abs=1e-3)
+
+
+def test_ppo_gradient_is_the_policy_gradient_inside_the_clip_range_and_zero_outside():
+    adv = torch.tensor([1.0, 1.0, -1.0])
+    old = torch.zeros(3)
+    logp = torch.tensor([0.0, 0.5, 0.0], requires_grad=True)  # ratio 1, e^0.5 > 1.2 (clipped), 1
+    loss, clipped = F.ppo_surrogate(logp, old, adv, eps_low=0.2)
+    loss.sum().backward()
+    # inside: d(−ρA)/dlogp = −ρA; clipped with A > 0 beyond 1 + ε: no gradient
+    torch.testing.assert_close(logp.grad, torch.tensor([-1.0, 0.0, 1.0]))
+    assert clipped.tolist() == [False, True, False]
+    # numerical check of the first entry
+    h = 1e-3
+    plus, _ = F.ppo_surrogate(torch.tensor(h), torch.tensor(0.0), torch.tensor(1.0))
+    minus, _ = F.ppo_surrogate(torch.tensor(-h), torch.tensor(0.0), torch.tensor(1.0))
+    assert ((plus - minus) / (2 * h)).item() == pytest.approx(-1.0, rel=1e-3)
+
+
+@given(finite, finite, st.one_of(st.none(), st.floats(1.0, 10.0)))
+def test_importance_weight_is_capped(prox, behav, cap):
+    w, capped = F.importance_weight(torch.tensor(prox), torch.tensor(behav), cap)
+    raw = math.exp(prox - behav)
+    assert w.item() == pytest.approx(raw if cap is None else min(raw, cap), rel=1e-3)
+    if cap is None or not math.isclose(raw, cap, rel_tol=1e-4):  # float32 near the cap: either
+        assert bool(capped) == (cap is not None and raw > cap)
+
+
+@given(st.lists(st.lists(st.tuples(finite, st.booleans()), min_size=1, max_size=6),
+                min_size=1, max_size=5))
+def test_token_and_sequence_aggregation(rows):
+    width = max(len(r) for r in rows)
+    values = torch.tensor([[v for v, _ in r] + [0.0] * (width - len(r)) for r in rows])
+    mask = torch.tensor([[m for _, m in r] + [False] * (width - len(r)) for r in rows])
+    total, count = F.aggregate(values, mask, "token")
+    picked = [v for r in rows for v, m in r if m]
+    assert total.item() == pytest.approx(sum(picked), abs=1e-3) and count == len(picked)
+    total, count = F.aggregate(values, mask, "sequence")
+    means = [sum(v for v, m in r if m) / sum(m for _, m in r) for r in rows if any(m for _, m in r)]
+    assert total.item() == pytest.approx(sum(means), abs=1e-3) and count == len(means)
+
+
+@given(st.integers(0, 300), st.integers(50, 200), st.integers(1, 49), st.floats(0.1, 2))
+def test_overlong_penalty(length, max_length, cache, factor):
+    got = F.overlong_penalty(torch.tensor([length]), max_length=max_length, cache=cache,
+                             factor=factor).item()
+    if length <= max_length - cache:
+        expected = 0.0
+    elif length <= max_length:
+        expected = -factor * (length - (max_length - cache)) / cache
+    else:
+        expected = -factor
+    assert got == pytest.approx(expected, rel=1e-4, abs=1e-5)
+
+
+@given(finite, finite, finite, st.floats(0.01, 1.0))
+def test_clipped_value_loss(v, old, ret, eps):
+    got = F.clipped_value_loss(torch.tensor(v), torch.tensor(old), torch.tensor(ret), eps).item()
+    clipped = old + max(-eps, min(eps, v - old))
+    assert got == pytest.approx(0.5 * max((v - ret) ** 2, (clipped - ret) ** 2), rel=1e-3,
+                                abs=1e-3)
+
+
+@given(st.lists(finite, min_size=1, max_size=5), st.floats(0.5, 2), finite, st.floats(0.5, 5))
+def test_reward_scaling(rewards, scale, bias, clip):
+    got = F.scale_rewards(torch.tensor(rewards), scale=scale, bias=bias, clip=clip)
+    for g, r in zip(got.tolist(), rewards):
+        assert g == pytest.approx(max(-clip, min(clip, (r + bias) * scale)), rel=1e-4, abs=1e-4)
