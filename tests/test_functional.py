@@ -124,10 +124,12 @@ def test_token_and_sequence_aggregation(rows):
     width = max(len(r) for r in rows)
     values = torch.tensor([[v for v, _ in r] + [0.0] * (width - len(r)) for r in rows])
     mask = torch.tensor([[m for _, m in r] + [False] * (width - len(r)) for r in rows])
-    total, count = F.aggregate(values, mask, "token")
+    total, count, unit = F.AGGREGATIONS["token"](values, mask)
+    assert unit == "tokens"
     picked = [v for r in rows for v, m in r if m]
     assert total.item() == pytest.approx(sum(picked), abs=1e-3) and count == len(picked)
-    total, count = F.aggregate(values, mask, "sequence")
+    total, count, unit = F.AGGREGATIONS["sequence"](values, mask)
+    assert unit == "sequences"
     means = [sum(v for v, m in r if m) / sum(m for _, m in r) for r in rows if any(m for _, m in r)]
     assert total.item() == pytest.approx(sum(means), abs=1e-3) and count == len(means)
 

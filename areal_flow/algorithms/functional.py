@@ -136,17 +136,23 @@ def importance_weight(prox_logp: Tensor, behav_logp: Tensor,
     return w.clamp(max=cap), w > cap
 
 
-def aggregate(per_token: Tensor, mask: Tensor,
-              level: Literal["token", "sequence"]) -> tuple[Tensor, float]:
-    """(loss_sum, normalizer): token level sums every masked token and counts tokens; sequence
-    level sums each row's token mean and counts rows with at least one masked token."""
+def token_level(per_token: Tensor, mask: Tensor) -> tuple[Tensor, float, str]:
+    """Sum over every masked token, normalised by the number of tokens in the whole batch."""
     mask = mask.float()
-    if level == "token":
-        return (per_token * mask).sum(), float(mask.sum())
+    return (per_token * mask).sum(), float(mask.sum()), "tokens"
+
+
+def sequence_level(per_token: Tensor, mask: Tensor) -> tuple[Tensor, float, str]:
+    """Each row's token mean, summed, normalised by the number of rows with model tokens."""
+    mask = mask.float()
     lengths = mask.sum(-1)
     has = lengths > 0
     per_row = (per_token * mask).sum(-1) / lengths.clamp(min=1)
-    return per_row[has].sum(), float(has.sum())
+    return per_row[has].sum(), float(has.sum()), "sequences"
+
+
+AGGREGATIONS = {"token": token_level, "sequence": sequence_level}
+"""(loss_sum, normalizer, unit) of a per-token loss, by `PolicyLossConfig.aggregation`."""
 
 
 def overlong_penalty(lengths: Tensor, *, max_length: int, cache: int,
