@@ -292,6 +292,7 @@ class LocalEngine:
             attention_mask=mask,
             position_ids=(mask.cumsum(1) - 1).clamp(min=0),
             use_cache=True,
+            logits_to_keep=1,  # only the last position samples; skip the vocab matmul elsewhere
         )
         self._totals.prefilled += sum(map(len, contexts))
         self._merge(out.past_key_values, mask, admitted)
