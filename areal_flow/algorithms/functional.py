@@ -29,7 +29,7 @@ def group_advantages(
                                                                     population form)
     leave-one-out: A_i = r_i − mean_{j≠i}(r_j) = G/(G−1) · (r_i − mean_g(r))   (RLOO)
     Dr.GRPO uses mean only (std_normalize=False) with a constant loss normalizer.
-    A group of one row gets A = 0.
+    A group of one row, or whose rewards are all equal, gets A = 0.
     """
     rewards = rewards.float()
     _, index, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
@@ -43,7 +43,11 @@ def group_advantages(
         sq = torch.zeros(len(counts), dtype=rewards.dtype).index_add_(0, index, (rewards - mean) ** 2)
         std = (sq / counts).sqrt()[index]
         centered = centered / (std + eps)
-    return torch.where(size > 1, centered, torch.zeros_like(centered))
+    # A group whose rewards are all equal carries no signal: exactly 0, not rounding noise / eps.
+    high = torch.full((len(counts),), -torch.inf).scatter_reduce(0, index, rewards, "amax")
+    low = torch.full((len(counts),), torch.inf).scatter_reduce(0, index, rewards, "amin")
+    flat = (high == low)[index]
+    return torch.where((size > 1) & ~flat, centered, torch.zeros_like(centered))
 
 
 def scale_rewards(rewards: Tensor, *, scale: float = 1.0, bias: float = 0.0,
