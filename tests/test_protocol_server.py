@@ -467,8 +467,9 @@ def test_cli_serve_generates_over_http(served, tiny_model_dir):
 
 def test_weights_broadcast_over_a_gloo_group(served, tiny_model_dir):
     """This process is the trainer, rank 0 of the group; the server joins at rank_offset 1."""
-    import torch.distributed as dist
     from transformers import AutoTokenizer
+
+    from areal_flow.runtime.weight_sync import WeightGroup
 
     prompt = AutoTokenizer.from_pretrained(tiny_model_dir).encode(PROMPT_TEXT)
     model = perturbed_model(tiny_model_dir, seed=2)
@@ -481,19 +482,18 @@ def test_weights_broadcast_over_a_gloo_group(served, tiny_model_dir):
             "group_name": "weight_update_group", "flush_cache": True}
     with ThreadPoolExecutor(1) as pool:
         joined = pool.submit(served.post, "/init_weights_update_group", json=join)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2,
-                                rank=0, timeout=datetime.timedelta(seconds=30))
+        group = WeightGroup.join("127.0.0.1", port, 2, backend="gloo",
+                                 timeout=datetime.timedelta(seconds=30))
         try:
             assert ok(joined.result(60)) == {
                 "success": True, "message": "Succeeded to initialize custom process group."}
             again = served.post("/init_weights_update_group", json=join)
             assert again.status_code == 400 and again.json()["success"] is False
             updated = pool.submit(served.post, "/update_weights_from_distributed", json=meta)
-            for tensor in state.values():
-                dist.broadcast(tensor, src=0)
+            group.broadcast(state.values())
             assert ok(updated.result(60))["success"] is True
         finally:
-            dist.destroy_process_group()
+            group.close()
     assert ok(served.post("/destroy_weights_update_group", json={}))["success"] is True
 
     tokens, logprobs = greedy_reference(model, prompt, 8)

@@ -20,13 +20,19 @@ defaults, status codes and response shapes follow SGLang's ``entrypoints/http_se
 - ``in_place`` pauses like ``retract``: held requests are re-prefilled under the weights loaded
   at ``/continue_generation`` (the engine keeps no KV cache across a pause). There is no prefix
   cache, so ``/flush_cache`` always succeeds and ``cached_tokens`` is 0.
-- The weight-update group is this process's default torch.distributed group: a server is in one
-  group at a time (``/destroy_weights_update_group`` leaves it).
+- The weight-update group is joined as SGLang's ``init_custom_process_group`` joins it: a
+  process group of its own (never the default one), rendezvous at ``master_address:master_port``
+  with the trainer as rank 0, store keys under the group name. The trainer side
+  (`areal_flow.runtime.weight_sync`) builds the same group from public torch classes. A server is
+  in one group at a time (``/destroy_weights_update_group`` leaves it).
+- ``GET /get_load`` is this server's own: the requests in flight with the tokens each has generated
+  so far, and the requests held by a pause (tests wait on it instead of sleeping).
 """
 
 from __future__ import annotations
 
 import asyncio
+import datetime
 import functools
 import json
 import time
@@ -56,6 +62,8 @@ from areal_flow.types import (
 GREEDY_BELOW = 1e-6
 """SGLang samples greedily when 0 <= temperature < 1e-6."""
 HEALTH_CHECK_TIMEOUT_S = 20.0
+GROUP_TIMEOUT = datetime.timedelta(minutes=10)
+"""How long joining the weight-update group and each broadcast may take."""
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 
@@ -316,10 +324,13 @@ class _Server:
         self.held = 0
         """Requests waiting at the gate for `/continue_generation`."""
         self.inflight: set[str] = set()
+        self.progress: dict[str, Any] = {}
+        """In-flight request id -> the engine's sequence (its tokens so far), for `/get_load`."""
         self.drained = asyncio.Event()
         self.drained.set()
         self.control = asyncio.Lock()
         self.group: str | None = None
+        self.group_pg: dist.ProcessGroup | None = None
         self.group_lock = asyncio.Lock()
         self.pause_modes = {"abort": self._abort_and_drain, "retract": self._hold,
                             "in_place": self._hold}
@@ -352,6 +363,7 @@ class _Server:
         except ValueError as exc:  # prompt + max_new_tokens beyond the model's positions
             raise BadRequest(str(exc)) from None
         self.inflight.add(req.rid)
+        self.progress[req.rid] = seq
         self.drained.clear()
         watcher = None if request is None else asyncio.create_task(
             self._abort_on_disconnect(request, req.rid))
@@ -364,6 +376,7 @@ class _Server:
             if watcher is not None:
                 watcher.cancel()
             self.inflight.discard(req.rid)
+            self.progress.pop(req.rid, None)
             if not self.inflight:
                 self.drained.set()
 
@@ -430,6 +443,13 @@ class _Server:
             "model_type": getattr(config, "model_type", None),
             "architectures": getattr(config, "architectures", None),
         })
+
+    async def get_load(self, request: Request) -> Response:
+        """Requests in flight (``load``, ``num_reqs``), requests held by a pause
+        (``num_waiting_reqs``) and the tokens each in-flight request has generated so far."""
+        requests = {rid: len(seq.tokens) for rid, seq in list(self.progress.items())}
+        return JSONResponse({"load": len(requests), "num_reqs": len(requests),
+                             "num_waiting_reqs": self.held, "requests": requests})
 
     # -- pausing and aborting
 
@@ -512,13 +532,8 @@ class _Server:
         async with self.group_lock:  # blocks until every rank joins, so not the control lock
             if self.group is not None:
                 return _result(False, f"already in weight update group {self.group!r}")
-            join = functools.partial(
-                dist.init_process_group, backend=body.backend, world_size=body.world_size,
-                rank=body.rank_offset,
-                init_method=f"tcp://{body.master_address}:{body.master_port}",
-            )
             try:
-                await anyio.to_thread.run_sync(join)
+                self.group_pg = await anyio.to_thread.run_sync(_join_group, body)
             except Exception as exc:
                 return _result(False, f"Failed to initialize custom process group: {exc}")
             self.group = body.group_name
@@ -536,7 +551,7 @@ class _Server:
             if self.group != meta.group_name:
                 return _result(False, f"not in weight update group {meta.group_name!r}; call "
                                       "/init_weights_update_group first")
-            receive = functools.partial(_receive, meta, dtypes, self.engine.device)
+            receive = functools.partial(_receive, self.group_pg, meta, dtypes, self.engine.device)
             try:
                 tensors = await anyio.to_thread.run_sync(receive)
             except Exception as exc:
@@ -555,15 +570,17 @@ class _Server:
         async with self.group_lock:
             if self.group != body.group_name:
                 return _result(False, f"not in weight update group {body.group_name!r}")
-            dist.destroy_process_group()
-            self.group = None
+            self._leave_group()
         return _result(True, "Succeeded to destroy custom process group.")
+
+    def _leave_group(self) -> None:
+        dist.destroy_process_group(self.group_pg)
+        self.group, self.group_pg = None, None
 
     def close(self) -> None:
         self.stopping = True
         if self.group is not None:
-            dist.destroy_process_group()
-            self.group = None
+            self._leave_group()
 
 
 def _torch_dtype(name: str) -> torch.dtype:
@@ -573,12 +590,33 @@ def _torch_dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def _receive(meta: DistributedWeights, dtypes: list[torch.dtype], device: torch.device) -> dict:
+def _join_group(body: _GroupInit) -> dist.ProcessGroup:
+    """Join the weight-update group the way SGLang's ``init_custom_process_group`` does, with the
+    same private torch helper, so that this server exercises a trainer exactly as SGLang would:
+    a TCP-store rendezvous (the trainer, rank 0, hosts the store), keys prefixed with the group
+    name, and a process group beside -- never replacing -- the default one."""
+    from torch.distributed.distributed_c10d import _new_process_group_helper, _world
+    from torch.distributed.rendezvous import rendezvous
+
+    url = f"tcp://{body.master_address}:{body.master_port}"
+    store, rank, world_size = next(rendezvous(url, body.rank_offset, body.world_size,
+                                              timeout=GROUP_TIMEOUT))
+    store.set_timeout(GROUP_TIMEOUT)
+    pg, _ = _new_process_group_helper(
+        world_size, rank, [], dist.Backend(body.backend), dist.PrefixStore(body.group_name, store),
+        group_name=body.group_name, timeout=GROUP_TIMEOUT,
+    )
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}  # group ranks are global ranks
+    return pg
+
+
+def _receive(group: dist.ProcessGroup, meta: DistributedWeights, dtypes: list[torch.dtype],
+             device: torch.device) -> dict:
     """The trainer (rank 0 of the group) broadcasts the tensors in the order of `meta.names`."""
     tensors = {}
     for name, dtype, shape in zip(meta.names, dtypes, meta.shapes):
         tensors[name] = torch.empty(shape, dtype=dtype, device=device)
-        dist.broadcast(tensors[name], src=0)
+        dist.broadcast(tensors[name], src=0, group=group)
     return tensors
 
 
@@ -597,6 +635,7 @@ def build_app(engine: LocalEngine) -> Starlette:
         Route("/health_generate", s.health_generate, methods=get),
         Route("/model_info", s.model_info, methods=get),
         Route("/get_model_info", s.model_info, methods=get),  # SGLang's deprecated alias
+        Route("/get_load", s.get_load, methods=get),
         Route("/pause_generation", s.pause_generation, methods=post),
         Route("/continue_generation", s.continue_generation, methods=post),
         Route("/abort_request", s.abort_request, methods=post),

@@ -1,0 +1,820 @@
+"""Generation pool `sglang`: SGLang servers (or `areal-flow serve`) over HTTP.
+
+One event loop, in a thread the pool owns, does all HTTP and owns all state (servers, in-flight
+counts, sticky routes, pause state), so nothing needs a lock. `generate` hands each request to that
+loop from the caller's loop; `pause`, `resume`, `update_weights` and the other control methods block
+the calling (trainer) thread until the loop has done them.
+
+- **Routing.** Each request goes to the server in rotation with the fewest in-flight requests;
+  requests of one `episode_id` stick to one server while it stays in rotation (its prefix cache
+  holds the earlier turns), and a resubmitted request goes back to the server it was on.
+- **Interruption** (DESIGN.md): `pause` calls ``/pause_generation`` ``{"mode": "abort"}`` on every
+  server, so running requests come back with ``finish_reason.type == "abort"`` and their tokens so
+  far; the pool keeps those tokens, waits for `resume`, and resubmits prompt + tokens so far with
+  the remaining ``max_new_tokens``. Tokens, logprobs and per-token versions are concatenated, so a
+  caller never sees the abort. A sampled request with a seed is resubmitted with a seed derived
+  from (seed, tokens so far): it stays reproducible for the same interruption points, and the
+  continuation does not replay the random numbers that drew the first tokens.
+- **Failures.** A connection error, reset or timeout takes the server out of rotation (counted in
+  ``dead_servers``) and the request is resubmitted elsewhere with the tokens it had before that
+  attempt; nothing already received is lost. Servers out of rotation are health-checked
+  (``GET /health``) by a periodic refresh and come back once they answer. Control calls retry
+  connection errors with backoff (stamina).
+- **Membership.** With `addresses_file` (one ``host:port`` a line), the file is re-read when it
+  changes: new servers join, removed ones leave rotation (their in-flight requests finish). A
+  server that joins, or comes back, first gets the latest weights: ``/update_weights_from_disk``
+  with the last folder and version, or, when the latest weights came over the weight-update group,
+  only the version label (``/update_weight_version``, after loading the last folder if there was
+  one). Limitation: such a server then generates with older weights than its label says, until the
+  next update from disk; the behavior logprobs stay exact, but the staleness filter sees the label.
+  A server that joins later is not in the weight-update group either: create a new group
+  (`areal_flow.runtime.weight_sync.connect`) when the set of servers changes. Catching a server up
+  holds the control lock, so a `pause` meanwhile waits for it; a joining server is not caught up
+  while the pool is paused (a weight update may be under way).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+import logging
+import os
+import threading
+from collections.abc import Coroutine, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import httpx
+import stamina
+
+from areal_flow.types import Completion, FinishReason, GenerationRequest, WeightUpdate
+
+log = logging.getLogger(__name__)
+
+_FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+class GenerationError(RuntimeError):
+    """A request failed for good: refused by a server, or resubmitted too often in vain."""
+
+
+class WeightUpdateError(RuntimeError):
+    """A server refused a weight update or a weight-update group call."""
+
+
+class _ServerDown(Exception):
+    """The server did not answer (connection refused/reset, timeout, 5xx)."""
+
+
+@attrs.define(eq=False)
+class _Server:
+    address: str
+    listed: bool = True
+    """In the address list (a server removed from the file finishes its requests, then goes)."""
+    healthy: bool = False
+    """Answering and caught up with the latest weights."""
+    inflight: int = 0
+    routed: int = 0
+    label: str | None = None
+    """The weight version the server reports."""
+
+    @property
+    def url(self) -> str:
+        return self.address if "://" in self.address else f"http://{self.address}"
+
+    @property
+    def in_rotation(self) -> bool:
+        return self.listed and self.healthy
+
+
+@attrs.define(eq=False)
+class _Active:
+    """A `generate` call while the pool holds it: everything received so far."""
+
+    request: GenerationRequest
+    tokens: list[int] = attrs.field(factory=list)
+    logprobs: list[float] = attrs.field(factory=list)
+    versions: list[int] = attrs.field(factory=list)
+    texts: list[str | None] = attrs.field(factory=list)
+    server: _Server | None = None
+    wire_rid: str | None = None
+    posted: bool = False
+    cancelled: bool = False
+    attempts: int = 0
+    failures: int = 0
+    """Server failures since the last token received."""
+    stalls: int = 0
+    """Aborts nobody asked for (no pause, no cancellation) since the last token received."""
+
+    @property
+    def remaining(self) -> int:
+        return self.request.sampling.max_new_tokens - len(self.tokens)
+
+
+def _resubmission_seed(seed: int | None, produced: int) -> int | None:
+    if seed is None or produced == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:{produced}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 2  # a non-negative int64
+
+
+def _version(label: Any) -> int:
+    try:
+        return int(label)
+    except (TypeError, ValueError):
+        raise GenerationError(
+            f"a server reports weight version {label!r}; the pool labels every server with its "
+            "integer version when the server joins"
+        ) from None
+
+
+def _token_versions(meta: dict, n: int) -> list[int]:
+    """Per-token versions from ``weight_versions`` spans, else ``weight_version`` for all."""
+    spans = meta.get("weight_versions")
+    if not spans:
+        return [_version(meta.get("weight_version"))] * n
+    versions: list[int | None] = [None] * n
+    for span in spans:
+        label = _version(span["version"])
+        for i in range(span["start"], min(span["end"], n)):
+            versions[i] = label
+    if None in versions:
+        raise GenerationError(f"'weight_versions' does not cover the {n} output tokens: {spans}")
+    return versions  # type: ignore[return-value]
+
+
+def _error_message(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text
+    error = body.get("error", body) if isinstance(body, dict) else body
+    if isinstance(error, dict):
+        return str(error.get("message", error))
+    return str(error)
+
+
+class SGLangPool:
+    """`GenerationPool` over SGLang servers (see the module docstring).
+
+    Args:
+        addresses: ``host:port`` (or URL) of each server.
+        addresses_file: a file of addresses, one a line (``#`` comments), re-read when it changes.
+            Give exactly one of `addresses` and `addresses_file`.
+        version: the version of the weights the servers start with.
+        tokenizer: a tokenizer folder/name; when given, `Completion.text` is decoded here from all
+            tokens (exact across resubmissions, and works with ``--skip-tokenizer-init``);
+            otherwise it joins the servers' texts of each resubmission.
+        request_timeout: seconds one ``/generate`` call may take (None: no limit).
+        control_timeout: seconds a control call may take (weight loads, joining a group).
+        connect_timeout: seconds to open a connection.
+        health_timeout: seconds a health check may take.
+        no_server_timeout: seconds a request waits for a server in rotation before failing.
+        retries: retries of a control call on connection errors, and resubmissions of one request
+            after server failures (or unexplained aborts) without new tokens.
+        refresh_interval: seconds between re-reading the addresses file and health-checking
+            servers out of rotation.
+        sticky_capacity: most episode ids remembered for sticky routing (oldest forgotten).
+    """
+
+    def __init__(
+        self,
+        addresses: Sequence[str] | None = None,
+        *,
+        addresses_file: str | os.PathLike | None = None,
+        version: int = 0,
+        tokenizer: str | None = None,
+        request_timeout: float | None = 3600.0,
+        control_timeout: float = 600.0,
+        connect_timeout: float = 5.0,
+        health_timeout: float = 5.0,
+        no_server_timeout: float = 600.0,
+        retries: int = 5,
+        refresh_interval: float = 1.0,
+        sticky_capacity: int = 100_000,
+    ):
+        if (addresses is None) == (addresses_file is None):
+            raise ValueError("give exactly one of 'addresses' and 'addresses_file'")
+        if retries < 0:
+            raise ValueError(f"'retries' must be >= 0: {retries}")
+        if refresh_interval <= 0:
+            raise ValueError(f"'refresh_interval' must be > 0 seconds: {refresh_interval}")
+        self._addresses = list(addresses or [])
+        self._file = Path(addresses_file) if addresses_file is not None else None
+        self._file_key: tuple | None = None
+        self._version = version
+        self._tokenizer = None
+        if tokenizer is not None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+        self._generate_timeout = httpx.Timeout(request_timeout, connect=connect_timeout)
+        self._control_timeout = httpx.Timeout(control_timeout, connect=connect_timeout)
+        self._health_timeout = httpx.Timeout(health_timeout, connect=connect_timeout)
+        self._no_server_timeout = no_server_timeout
+        self._retries = retries
+        self._refresh_interval = refresh_interval
+        self._sticky_capacity = sticky_capacity
+
+        self._servers: dict[str, _Server] = {}
+        self._sticky: collections.OrderedDict[str, _Server] = collections.OrderedDict()
+        self._active: dict[str, _Active] = {}
+        self._groups: dict[str, list[_Server]] = {}
+        self._disk: tuple[str, int] | None = None
+        """The last update from disk: (folder, version)."""
+        self._over_group = False
+        """The latest weights came over a weight-update group (no folder holds them)."""
+        self._paused = False
+        self._epoch = 0
+        """Pauses so far: an abort during another epoch than its submission's is an interruption."""
+        self._closed = False
+        self._counts: collections.Counter[str] = collections.Counter()
+        self._tasks: set[asyncio.Task] = set()
+
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="sglang-pool",
+                                        daemon=True)
+        self._thread.start()
+        try:
+            self._call(self._start())
+        except BaseException:
+            self.close()
+            raise
+
+    # -- GenerationPool -------------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    async def generate(self, request: GenerationRequest) -> Completion:
+        if self._closed:
+            raise RuntimeError("the SGLang pool is closed")
+        future = asyncio.run_coroutine_threadsafe(self._generate(request), self._loop)
+        # Cancelling the caller's task cancels the pool's, which aborts the request on its server.
+        return await asyncio.wrap_future(future)
+
+    def pause(self) -> None:
+        """Interrupt running requests on every server and hold all requests until `resume`."""
+        self._call(self._locked(self._pause_locked))
+
+    def resume(self) -> None:
+        self._call(self._locked(self._resume_locked))
+
+    def update_weights(self, update: WeightUpdate) -> None:
+        """Load new weights on every server and set `version` (pausing meanwhile unless already
+        paused): from a folder (`update.path`), or over the weight-update group
+        (`update.dist_meta`; the caller broadcasts the tensors while this call runs)."""
+        if update.state_dict is not None:
+            raise ValueError(
+                "the SGLang pool takes weights as a folder ('path') or over a weight-update group "
+                "('dist_meta'); in-memory state dicts are for the local engine"
+            )
+        self._call(self._update_weights(update))
+
+    def stats(self) -> dict[str, float]:
+        """Counts since the last call (requests, resubmissions after an interruption, retries,
+        servers taken out, tokens) and the servers now."""
+        return self._call(self._stats())
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._loop.is_running():
+            asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(timeout=60)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=60)
+        self._loop.close()
+
+    # -- more control ---------------------------------------------------------------------
+
+    def abort(self, rid: str | None = None) -> None:
+        """Explicit cancellation: the request (every request when `rid` is None) returns with
+        ``finish_reason="abort"`` and its tokens so far. A request whose submission races with
+        the abort may finish instead, as with SGLang's ``/abort_request``."""
+        self._call(self._abort(rid))
+
+    def refresh(self) -> None:
+        """Re-read the addresses file and health-check servers out of rotation now (the periodic
+        refresh does the same every `refresh_interval` seconds)."""
+        self._call(self._refresh(force=True))
+
+    def servers(self) -> list[dict[str, Any]]:
+        """The servers known now: address, whether in rotation, in-flight requests, version."""
+        def snapshot() -> list[dict[str, Any]]:
+            return [{"address": s.address, "in_rotation": s.in_rotation, "healthy": s.healthy,
+                     "inflight": s.inflight, "routed": s.routed, "weight_version": s.label}
+                    for s in self._servers.values()]
+        return self._call(self._run(snapshot))
+
+    def weight_group_size(self, ranks_per_server: int = 1) -> int:
+        """World size of a weight-update group over the servers in rotation now: the trainer plus
+        `ranks_per_server` (the servers' tp size) ranks per server."""
+        return self._call(self._run(lambda: 1 + ranks_per_server * len(self._rotation())))
+
+    def init_weight_group(self, master_address: str, master_port: int, backend: str = "nccl",
+                          group_name: str = "weight_update_group", world_size: int | None = None,
+                          ranks_per_server: int = 1) -> None:
+        """``/init_weights_update_group`` on every server in rotation (server i at rank offset
+        1 + i * ranks_per_server); blocks until the trainer joins as rank 0 too, so run it
+        concurrently with that (`areal_flow.runtime.weight_sync.connect`). `world_size`, when
+        given, must match the servers in rotation."""
+        self._call(self._init_group(master_address, master_port, backend, group_name, world_size,
+                                    ranks_per_server))
+
+    def destroy_weight_group(self, group_name: str = "weight_update_group") -> None:
+        self._call(self._destroy_group(group_name))
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    def _call(self, coro: Coroutine) -> Any:
+        """Run `coro` on the pool's loop and wait for it (from any other thread)."""
+        if threading.current_thread() is self._thread:
+            coro.close()
+            raise RuntimeError("a blocking SGLang pool call from the pool's own thread")
+        if self._closed and self._loop.is_closed():
+            coro.close()
+            raise RuntimeError("the SGLang pool is closed")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    async def _run(self, fn):
+        return fn()
+
+    async def _locked(self, fn):
+        async with self._control:
+            return await fn()
+
+    def _spawn(self, coro: Coroutine) -> None:
+        task = self._loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _start(self) -> None:
+        self._client = httpx.AsyncClient(
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+            timeout=self._control_timeout,
+        )
+        self._control = asyncio.Lock()
+        """Serialises pausing, weight updates, groups and admitting servers."""
+        self._refreshing = asyncio.Lock()
+        self._changed = asyncio.Condition()
+        """Notified on resume and on explicit aborts (requests waiting for either)."""
+        self._available = asyncio.Event()
+        for address in self._addresses:
+            self._servers[address] = _Server(address)
+        await self._refresh(force=True)
+        self._spawn(self._refresh_periodically())
+
+    async def _shutdown(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        for active in list(self._active.values()):
+            active.cancelled = True
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if hasattr(self, "_client"):
+            await self._client.aclose()
+
+    async def _stats(self) -> dict[str, float]:
+        counts, self._counts = self._counts, collections.Counter()
+        return {
+            "requests": counts["requests"],
+            "resubmissions": counts["resubmissions"],
+            "retries": counts["retries"],
+            "dead_servers": counts["dead_servers"],
+            "generated_tokens": counts["generated_tokens"],
+            "servers": sum(s.listed for s in self._servers.values()),
+            "servers_healthy": len(self._rotation()),
+            "running": sum(s.inflight for s in self._servers.values()),
+        }
+
+    # -- generation -----------------------------------------------------------------------
+
+    async def _generate(self, request: GenerationRequest) -> Completion:
+        if request.rid in self._active:
+            raise ValueError(f"request id {request.rid!r} is already being generated")
+        active = self._active[request.rid] = _Active(request)
+        task = asyncio.current_task()
+        self._tasks.add(task)
+        try:
+            return await self._complete(active)
+        except asyncio.CancelledError:
+            if self._closed:
+                raise RuntimeError("the SGLang pool was closed") from None
+            raise
+        finally:
+            self._tasks.discard(task)
+            del self._active[request.rid]
+
+    async def _complete(self, active: _Active) -> Completion:
+        while True:
+            async with self._changed:
+                await self._changed.wait_for(lambda: not self._paused or active.cancelled)
+            if active.cancelled:
+                return self._completion(active, "abort")
+            server = await self._route(active)
+            if self._paused:  # paused while waiting for a server: wait for resume first
+                continue
+            active.wire_rid = (active.request.rid if active.attempts == 0
+                               else f"{active.request.rid}.{active.attempts}")
+            active.attempts += 1
+            active.server, active.posted = server, True
+            epoch = self._epoch
+            server.inflight += 1
+            try:
+                reply = await self._post_generate(server, self._body(active))
+            except _ServerDown as exc:
+                self._take_out(server, exc)
+                active.failures += 1
+                if active.failures > self._retries:
+                    raise GenerationError(f"request {active.request.rid!r} failed on "
+                                          f"{active.failures} servers; last: {exc}") from exc
+                self._counts["retries"] += 1
+                continue
+            except asyncio.CancelledError:
+                if not self._closed:  # closing the connection aborts it too; this is explicit
+                    self._spawn(self._quietly(self._post(server, "/abort_request",
+                                                         {"rid": active.wire_rid})))
+                raise
+            finally:
+                server.inflight -= 1
+                active.posted = False
+
+            finish = self._extend(active, reply)
+            reason = _FINISH_REASONS.get(finish.get("type"))
+            if reason is None:
+                raise GenerationError(f"unknown finish_reason from {server.address}: {finish}")
+            if reason != "abort":
+                return self._completion(active, reason)
+            if active.cancelled:
+                return self._completion(active, "abort")
+            if active.remaining == 0:
+                return self._completion(active, "length")
+            status = finish.get("status_code")
+            if isinstance(status, int) and status >= 400:
+                raise GenerationError(f"{server.address} aborted request {active.request.rid!r} "
+                                      f"({status}): {finish.get('message')}")
+            if epoch == self._epoch and not self._paused:  # nobody here paused it
+                active.stalls += 1
+                if active.stalls > self._retries:
+                    raise GenerationError(f"{server.address} keeps aborting request "
+                                          f"{active.request.rid!r}: {finish.get('message')}")
+            self._counts["resubmissions"] += 1
+
+    async def _route(self, active: _Active) -> _Server:
+        """The server for the next attempt: the previous one, else the episode's, else the least
+        loaded (ties: the one given fewer requests so far)."""
+        rotation = self._rotation()
+        if not rotation:
+            try:
+                async with asyncio.timeout(self._no_server_timeout):
+                    while not (rotation := self._rotation()):
+                        self._available.clear()
+                        await self._available.wait()
+            except TimeoutError:
+                raise GenerationError(
+                    f"no SGLang server in rotation for {self._no_server_timeout} s; known: "
+                    f"{sorted(self._servers)}") from None
+        episode = active.request.episode_id
+        sticky = self._sticky.get(episode) if episode is not None else None
+        if active.server is not None and active.server.in_rotation:
+            chosen = active.server
+        elif sticky is not None and sticky.in_rotation:
+            chosen = sticky
+        else:
+            chosen = min(rotation, key=lambda s: (s.inflight, s.routed))
+        if episode is not None:
+            self._sticky[episode] = chosen
+            self._sticky.move_to_end(episode)
+            while len(self._sticky) > self._sticky_capacity:
+                self._sticky.popitem(last=False)
+        chosen.routed += 1
+        return chosen
+
+    def _body(self, active: _Active) -> dict[str, Any]:
+        sp = active.request.sampling
+        params: dict[str, Any] = {
+            "max_new_tokens": active.remaining,
+            "temperature": sp.temperature,  # 0 is greedy, in SGLang too
+            "top_p": sp.top_p,
+            "top_k": sp.top_k,
+            "min_p": sp.min_p,
+            "stop_token_ids": list(sp.stop_token_ids),
+            "ignore_eos": sp.ignore_eos,
+            "no_stop_trim": True,  # the text holds every token, as the local engine's does
+        }
+        seed = _resubmission_seed(sp.seed, len(active.tokens))
+        if seed is not None and not sp.greedy:
+            params["sampling_seed"] = seed
+        return {"input_ids": [*active.request.input_ids, *active.tokens],
+                "sampling_params": params, "rid": active.wire_rid, "return_logprob": True}
+
+    async def _post_generate(self, server: _Server, body: dict) -> dict:
+        try:
+            response = await self._client.post(f"{server.url}/generate", json=body,
+                                               timeout=self._generate_timeout)
+        except httpx.TransportError as exc:
+            raise _ServerDown(f"{server.address}: {exc!r}") from exc
+        if response.status_code >= 500:
+            raise _ServerDown(f"{server.address} answered {response.status_code}: "
+                              f"{_error_message(response)}")
+        if response.status_code != 200:
+            raise GenerationError(f"{server.address} refused the request "
+                                  f"({response.status_code}): {_error_message(response)}")
+        return response.json()
+
+    def _extend(self, active: _Active, reply: dict) -> dict:
+        """Append a reply's tokens to `active`; returns its finish_reason."""
+        meta = reply["meta_info"]
+        tokens = list(reply["output_ids"])
+        pairs = meta.get("output_token_logprobs") or []
+        if [int(p[1]) for p in pairs] != tokens:
+            raise GenerationError("'output_token_logprobs' does not match 'output_ids'")
+        active.tokens += tokens
+        active.logprobs += [float(p[0]) for p in pairs]
+        active.versions += _token_versions(meta, len(tokens))
+        active.texts.append(reply.get("text"))
+        if tokens:
+            active.failures = active.stalls = 0
+        self._counts["generated_tokens"] += len(tokens)
+        return meta.get("finish_reason") or {}
+
+    def _completion(self, active: _Active, reason: FinishReason) -> Completion:
+        if self._tokenizer is not None:
+            text = self._tokenizer.decode(active.tokens, skip_special_tokens=True)
+        elif None in active.texts:
+            text = None
+        else:
+            text = "".join(active.texts)
+        self._counts["requests"] += 1
+        return Completion(token_ids=active.tokens, logprobs=active.logprobs,
+                          versions=active.versions, finish_reason=reason,
+                          temperature=active.request.sampling.logprob_temperature, text=text)
+
+    async def _abort(self, rid: str | None) -> None:
+        targets = list(self._active.values()) if rid is None else [
+            a for a in [self._active.get(rid)] if a is not None]
+        calls = []
+        for active in targets:
+            active.cancelled = True
+            if active.posted:
+                calls.append(self._quietly(self._post(active.server, "/abort_request",
+                                                      {"rid": active.wire_rid})))
+        await asyncio.gather(*calls)
+        async with self._changed:
+            self._changed.notify_all()
+
+    # -- pausing and weights ----------------------------------------------------------------
+
+    async def _pause_locked(self) -> None:
+        if self._paused:
+            return
+        self._paused = True
+        self._epoch += 1
+        await self._on_healthy("/pause_generation", {"mode": "abort"})
+
+    async def _resume_locked(self) -> None:
+        if not self._paused:
+            return
+        await self._on_healthy("/continue_generation", {})
+        self._paused = False
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def _update_weights(self, update: WeightUpdate) -> None:
+        async with self._control:
+            was_paused = self._paused
+            await self._pause_locked()
+            try:
+                if update.path is not None:
+                    body = {"model_path": update.path, "weight_version": str(update.version),
+                            "abort_all_requests": True, "flush_cache": True}
+                    done = await self._on_healthy("/update_weights_from_disk", body, strict=True)
+                    if not done:
+                        raise WeightUpdateError("no SGLang server was reachable to load "
+                                                f"{update.path}")
+                    self._disk = (update.path, update.version)
+                    self._over_group = False
+                else:
+                    meta = update.dist_meta
+                    members = self._groups.get(meta.group_name)
+                    if members is None:
+                        raise WeightUpdateError(f"no weight-update group {meta.group_name!r}; "
+                                                "call init_weight_group first")
+                    body = {"names": list(meta.names), "dtypes": list(meta.dtypes),
+                            "shapes": [list(s) for s in meta.shapes],
+                            "group_name": meta.group_name, "weight_version": str(update.version),
+                            "abort_all_requests": True, "flush_cache": True}
+                    # every member takes part in the broadcast, so one that is gone is an error
+                    await asyncio.gather(*(self._checked(s, "/update_weights_from_distributed",
+                                                         body) for s in members))
+                    for server in members:
+                        server.label = str(update.version)
+                    self._over_group = True
+                self._version = update.version
+            finally:
+                if not was_paused:
+                    await self._resume_locked()
+
+    async def _init_group(self, address: str, port: int, backend: str, group_name: str,
+                          world_size: int | None, ranks_per_server: int) -> None:
+        # Not under the control lock: joining blocks until the trainer joins too (or times out),
+        # and pausing must not wait for that.
+        if group_name in self._groups:
+            raise WeightUpdateError(f"weight-update group {group_name!r} exists already")
+        members = self._rotation()
+        size = 1 + ranks_per_server * len(members)
+        if world_size is not None and world_size != size:
+            raise WeightUpdateError(f"the servers changed: {len(members)} in rotation, but a "
+                                    f"group of world size {world_size} was asked for")
+        self._groups[group_name] = members
+        bodies = [{"master_address": address, "master_port": port,
+                   "rank_offset": 1 + i * ranks_per_server, "world_size": size,
+                   "group_name": group_name, "backend": backend} for i in range(len(members))]
+        try:
+            await asyncio.gather(*(self._checked(s, "/init_weights_update_group", body,
+                                                 retry=False)
+                                   for s, body in zip(members, bodies)))
+        except BaseException:
+            del self._groups[group_name]
+            raise
+
+    async def _destroy_group(self, group_name: str) -> None:
+        async with self._control:
+            members = self._groups.pop(group_name, [])
+            await asyncio.gather(*(self._checked(s, "/destroy_weights_update_group",
+                                                 {"group_name": group_name}) for s in members))
+
+    # -- servers ----------------------------------------------------------------------------
+
+    def _rotation(self) -> list[_Server]:
+        return [s for s in self._servers.values() if s.in_rotation]
+
+    def _take_out(self, server: _Server, reason: object) -> None:
+        if server.healthy:
+            server.healthy = False
+            self._counts["dead_servers"] += 1
+            log.warning("SGLang server %s is out of rotation: %s", server.address, reason)
+
+    async def _post(self, server: _Server, path: str, body: dict | None = None, *,
+                    method: str = "POST", timeout: httpx.Timeout | None = None,
+                    retry: bool = True) -> httpx.Response:
+        """One control call; connection errors are retried with backoff (the request was never
+        sent, so this is safe for every endpoint)."""
+        attempts = self._retries + 1 if retry else 1
+        try:
+            async for attempt in stamina.retry_context(
+                on=httpx.ConnectError, attempts=attempts, timeout=None, wait_initial=0.05,
+                wait_max=2.0, wait_jitter=0.05,
+            ):
+                with attempt:
+                    if attempt.num > 1:
+                        self._counts["retries"] += 1
+                    return await self._client.request(method, f"{server.url}{path}", json=body,
+                                                      timeout=timeout or self._control_timeout)
+        except httpx.TransportError as exc:
+            raise _ServerDown(f"{server.address}{path}: {exc!r}") from exc
+        raise AssertionError("unreachable")
+
+    async def _checked(self, server: _Server, path: str, body: dict, **kwargs) -> dict:
+        """A control call that must succeed on `server`."""
+        try:
+            response = await self._post(server, path, body, **kwargs)
+        except _ServerDown as exc:
+            self._take_out(server, exc)
+            raise WeightUpdateError(str(exc)) from exc
+        if response.status_code != 200:
+            raise WeightUpdateError(f"{server.address}{path} failed ({response.status_code}): "
+                                    f"{_error_message(response)}")
+        return response.json() if response.content else {}
+
+    async def _on_healthy(self, path: str, body: dict, *, strict: bool = False) -> list[_Server]:
+        """The same control call on every healthy server at once; a server that does not answer is
+        taken out (it catches up when it comes back). With `strict`, a refusal is an error.
+        Returns the servers that did it."""
+        servers = [s for s in self._servers.values() if s.healthy]
+        results = await asyncio.gather(*(self._post(s, path, body) for s in servers),
+                                       return_exceptions=True)
+        done, refused = [], []
+        for server, result in zip(servers, results):
+            if isinstance(result, _ServerDown):
+                self._take_out(server, result)
+            elif isinstance(result, BaseException):
+                raise result
+            elif result.status_code != 200:
+                refused.append(f"{server.address}: {_error_message(result)}")
+            else:
+                done.append(server)
+                if "weight_version" in body:
+                    server.label = body["weight_version"]
+        if refused and strict:
+            raise WeightUpdateError(f"{path} failed on {len(refused)} server(s): "
+                                    + "; ".join(refused))
+        if refused:
+            log.warning("%s failed on %d server(s): %s", path, len(refused), "; ".join(refused))
+        return done
+
+    async def _quietly(self, coro: Coroutine) -> None:
+        try:
+            await coro
+        except Exception as exc:  # best effort: the request ends with its connection anyway
+            log.debug("ignored: %r", exc)
+
+    async def _refresh_periodically(self) -> None:
+        while True:
+            await asyncio.sleep(self._refresh_interval)
+            try:
+                await self._refresh()
+            except Exception:
+                log.exception("refreshing the SGLang servers failed")
+
+    async def _refresh(self, force: bool = False) -> None:
+        """Sync with the addresses file; bring answering servers (back) into rotation after they
+        catch up with the latest weights. Health checks run without the control lock (a server
+        that does not answer must not delay a pause); catching up takes it, and waits while
+        paused, since a weight update may be under way."""
+        async with self._refreshing:
+            if self._file is not None:
+                self._read_file(force)
+            for address, server in list(self._servers.items()):
+                if not server.listed and server.inflight == 0:
+                    del self._servers[address]
+            waiting = [s for s in self._servers.values() if s.listed and not s.healthy]
+            answers = await asyncio.gather(*(self._answers(s) for s in waiting))
+            answering = [s for s, ok in zip(waiting, answers) if ok]
+            if answering:
+                async with self._control:
+                    if not self._paused:
+                        await asyncio.gather(*(self._admit(s) for s in answering))
+            if self._rotation():
+                self._available.set()
+
+    def _read_file(self, force: bool) -> None:
+        try:
+            stat = self._file.stat()
+            key = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
+            if key == self._file_key and not force:
+                return
+            lines = self._file.read_text().splitlines()
+        except FileNotFoundError:
+            return  # being replaced, or not written yet: keep the servers we have
+        self._file_key = key
+        listed = {line.split("#")[0].strip() for line in lines} - {""}
+        for address in listed - set(self._servers):
+            self._servers[address] = _Server(address)
+            log.info("SGLang server %s joins", address)
+        for address, server in self._servers.items():
+            if server.listed and address not in listed:
+                log.info("SGLang server %s leaves", address)
+            server.listed = address in listed
+
+    async def _answers(self, server: _Server) -> bool:
+        try:
+            health = await self._post(server, "/health", method="GET", retry=False,
+                                      timeout=self._health_timeout)
+        except _ServerDown:
+            return False
+        return health.status_code == 200
+
+    async def _admit(self, server: _Server) -> None:
+        try:
+            info = await self._post(server, "/model_info", method="GET",
+                                    timeout=self._health_timeout)
+            server.label = str(info.json().get("weight_version"))
+            await self._catch_up(server)
+        except (_ServerDown, WeightUpdateError) as exc:
+            log.info("SGLang server %s is not ready: %s", server.address, exc)
+            return
+        server.healthy = True
+        log.info("SGLang server %s is in rotation (weights version %s)", server.address,
+                 server.label)
+
+    async def _catch_up(self, server: _Server) -> None:
+        """Give a joining server the latest weights (see the module docstring)."""
+        current = str(self._version)
+        if server.label == current:
+            return
+        if self._disk is not None and server.label != str(self._disk[1]):
+            path, version = self._disk
+            await self._checked(server, "/update_weights_from_disk", {
+                "model_path": path, "weight_version": str(version), "abort_all_requests": True,
+                "flush_cache": True})
+            server.label = str(version)
+        if server.label != current:
+            if self._over_group:
+                log.warning("SGLang server %s joins after an update over the weight-update group "
+                            "and cannot get those weights; its weights are labelled version %s "
+                            "until the next update from disk", server.address, current)
+            await self._checked(server, "/update_weight_version",
+                                {"new_version": current, "abort_all_requests": True})
+            server.label = current
+
+
+__all__ = ["GenerationError", "SGLangPool", "WeightUpdateError"]
+

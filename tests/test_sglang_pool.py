@@ -1,0 +1,287 @@
+"""The `sglang` pool against real `areal-flow serve` processes: routing, a changing address list,
+a server killed mid-request, and the weight-update group path with gloo.
+
+Four servers start together (module fixture, with the SGLang launcher); each test makes its own
+pool and first loads the weights it needs. Nothing waits on a fixed sleep: tests wait for what
+the servers report (`/get_load`, `/model_info`) or what the pool reports (`servers()`)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from areal_flow import generation_pools
+from areal_flow.inference.launcher import SGLangLauncher, serve_command
+from areal_flow.inference.sglang_pool import SGLangPool, WeightUpdateError, _resubmission_seed
+from areal_flow.runtime import weight_sync
+from areal_flow.types import GenerationRequest, SamplingParams, WeightUpdate
+from tests.test_local_engine import forward_logprobs, greedy_reference, perturbed, prompts
+from tests.test_protocol_server import free_port, wait_for
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir):
+    """Servers A, B, C, D."""
+    with SGLangLauncher(tiny_model_dir, gpus=[0, 1, 2, 3], command=serve_command) as launcher:
+        yield launcher
+
+
+@pytest.fixture(scope="module")
+def addrs(cluster):
+    return dict(zip("ABCD", cluster.addresses))
+
+
+@pytest.fixture(scope="module")
+def w1_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("w1")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    model.load_state_dict(perturbed(model, 0.05, seed=21))
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def http():
+    with httpx.Client(timeout=30) as client:
+        yield client
+
+
+def req(prompt, episode_id=None, **sampling) -> GenerationRequest:
+    return GenerationRequest(input_ids=prompt, episode_id=episode_id,
+                             sampling=SamplingParams(**sampling))
+
+
+def greedy(prompt, n=8, **kw) -> GenerationRequest:
+    return req(prompt, temperature=0, max_new_tokens=n, ignore_eos=True, **kw)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def generate_all(pool, requests):
+    async def main():
+        return await asyncio.gather(*(pool.generate(r) for r in requests))
+
+    return asyncio.run(main())
+
+
+def write_addresses(path: Path, *addresses: str) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(f"{a}\n" for a in addresses))
+    os.replace(tmp, path)
+
+
+def routed(pool) -> dict[str, int]:
+    return {s["address"]: s["routed"] for s in pool.servers()}
+
+
+def served_greedy(http, address, prompt, n=8) -> dict:
+    """A greedy generation straight from one server."""
+    r = http.post(f"http://{address}/generate", json={
+        "input_ids": prompt, "return_logprob": True,
+        "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_the_sglang_pool_is_registered_by_name():
+    assert generation_pools.get("sglang") is SGLangPool
+
+
+def test_resubmissions_of_seeded_requests_are_reseeded():
+    assert _resubmission_seed(None, 5) is None
+    assert _resubmission_seed(7, 0) == 7  # a first submission keeps its seed
+    seeds = {_resubmission_seed(7, k) for k in (1, 2, 3)} | {_resubmission_seed(8, 1)}
+    assert len(seeds) == 4 and 7 not in seeds
+    assert _resubmission_seed(7, 2) == _resubmission_seed(7, 2) >= 0
+
+
+def test_weight_group_settings_and_buckets():
+    with pytest.raises(ValueError, match="'backend' must be one of"):
+        weight_sync.WeightGroup.join("127.0.0.1", free_port(), 2, backend="mpi")
+    with pytest.raises(ValueError, match="world_size"):
+        weight_sync.WeightGroup.join("127.0.0.1", free_port(), 1, backend="gloo")
+    four = [(str(i), torch.zeros(4)) for i in range(5)]  # 16 bytes each
+    assert [len(b) for b in weight_sync.buckets(four, 40)] == [2, 2, 1]
+    big = [("a", torch.zeros(100)), ("b", torch.zeros(1))]
+    assert [[n for n, _ in b] for b in weight_sync.buckets(big, 40)] == [["a"], ["b"]]
+
+
+def test_least_loaded_routing_and_sticky_episodes(addrs, tiny_model_dir):
+    a, b = addrs["A"], addrs["B"]
+    pool = SGLangPool([a, b])
+    try:
+        pool.update_weights(WeightUpdate(version=1, path=str(tiny_model_dir)))
+
+        async def spread():
+            tasks = [asyncio.ensure_future(pool.generate(greedy(p, 200))) for p in prompts(4)]
+            # routing is done on the pool's loop: wait until all four went out
+            await asyncio.to_thread(wait_for, lambda: sum(
+                s["inflight"] for s in pool.servers()) == 4, what="4 requests in flight")
+            loads = {s["address"]: s["inflight"] for s in pool.servers()}
+            await asyncio.gather(*tasks)
+            return loads
+
+        assert run(spread()) == {a: 2, b: 2}
+
+        before = routed(pool)
+        for turn in range(3):  # alone, least-loaded routing would alternate servers
+            run(pool.generate(greedy(prompts(1)[0], 2, episode_id="episode-1")))
+        after = routed(pool)
+        delta = {k: after[k] - before[k] for k in after}
+        assert sorted(delta.values()) == [0, 3]
+        sticky = next(k for k, v in delta.items() if v == 3)
+        run(pool.generate(greedy(prompts(1)[0], 2, episode_id="episode-2")))
+        assert routed(pool)[sticky] == after[sticky]  # a new episode goes to the other server
+    finally:
+        pool.close()
+
+
+def test_a_failed_weight_update_keeps_the_version_and_generation_going(addrs, tmp_path,
+                                                                       tiny_model_dir):
+    pool = SGLangPool([addrs["A"], addrs["B"]])
+    try:
+        pool.update_weights(WeightUpdate(version=2, path=str(tiny_model_dir)))
+        with pytest.raises(WeightUpdateError, match="update_weights_from_disk failed on 2"):
+            pool.update_weights(WeightUpdate(version=3, path=str(tmp_path / "missing")))
+        assert pool.version == 2 and not pool.paused
+        with pytest.raises(ValueError, match="local engine"):
+            pool.update_weights(WeightUpdate(version=3, state_dict={}))
+        out = generate_all(pool, [greedy(prompts(1)[0], 3)])[0]
+        assert set(out.versions) == {2} and out.finish_reason == "length"
+    finally:
+        pool.close()
+
+
+def test_servers_join_and_leave_through_the_addresses_file(addrs, http, tmp_path, w1_dir,
+                                                           tiny_model_dir):
+    """A server that joins first loads the latest weights (from disk, with their version), then
+    gets requests; a server removed from the file gets none."""
+    a, b, c = addrs["A"], addrs["B"], addrs["C"]
+    http.post(f"http://{c}/update_weights_from_disk", json={"model_path": str(tiny_model_dir),
+                                                           "weight_version": "0"})
+    listing = tmp_path / "servers.txt"
+    write_addresses(listing, a, b)
+    pool = SGLangPool(addresses_file=listing, refresh_interval=3600)  # only refresh() re-reads
+    try:
+        assert sorted(s["address"] for s in pool.servers()) == sorted([a, b])
+        pool.update_weights(WeightUpdate(version=5, path=str(w1_dir)))
+        w1 = AutoModelForCausalLM.from_pretrained(w1_dir).eval()
+        prompt = prompts(1)[0]
+        expected = greedy_reference(w1, prompt, 8)
+
+        write_addresses(listing, a, b, c)
+        pool.refresh()
+        assert http.get(f"http://{c}/model_info").json()["weight_version"] == "5"
+        assert served_greedy(http, c, prompt)["output_ids"] == expected
+        assert {s["address"]: s["in_rotation"] for s in pool.servers()} == {a: True, b: True,
+                                                                             c: True}
+        before = routed(pool)
+        outs = generate_all(pool, [greedy(prompt) for _ in range(3)])
+        assert routed(pool)[c] > before[c]  # the newcomer (least routed) gets requests
+        assert all(list(o.token_ids) == expected and set(o.versions) == {5} for o in outs)
+
+        write_addresses(listing, b, c)
+        pool.refresh()
+        assert a not in {s["address"] for s in pool.servers()}
+        generate_all(pool, [greedy(prompt, 2) for _ in range(4)])
+        assert set(routed(pool)) == {b, c}
+        assert pool.stats()["servers"] == 2
+    finally:
+        pool.close()
+
+
+def test_a_server_killed_mid_request_loses_nothing(cluster, addrs, http, tiny_model_dir):
+    """SIGKILL server D while it holds requests: they complete on A, nothing is lost."""
+    a, d = addrs["A"], addrs["D"]
+    victim = cluster.processes[3]
+    pool = SGLangPool([a, d])
+    n = 150
+    reqs = [greedy(p, n) for p in prompts(4)]
+    try:
+        pool.update_weights(WeightUpdate(version=1, path=str(tiny_model_dir)))
+        pool.stats()
+
+        async def main():
+            tasks = [asyncio.ensure_future(pool.generate(r)) for r in reqs]
+
+            def holding() -> int:
+                load = http.get(f"http://{d}/get_load").json()
+                return sum(t >= 1 for t in load["requests"].values())
+
+            await asyncio.to_thread(wait_for, lambda: holding() >= 2, what="D to hold requests")
+            os.killpg(victim.pid, signal.SIGKILL)
+            return await asyncio.gather(*tasks)
+
+        outs = run(main())
+        stats = pool.stats()
+        assert {s["address"]: s["in_rotation"] for s in pool.servers()} == {a: True, d: False}
+    finally:
+        pool.close()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    decode = AutoTokenizer.from_pretrained(tiny_model_dir).decode
+    assert len(outs) == len(reqs)
+    for r, out in zip(reqs, outs):
+        assert out.finish_reason == "length" and set(out.versions) == {1}
+        assert list(out.token_ids) == greedy_reference(model, r.input_ids, n)
+        assert out.text == decode(list(out.token_ids), skip_special_tokens=True)
+    assert stats["dead_servers"] == 1 and stats["retries"] >= 2 and stats["requests"] == 4
+
+
+def test_bucketed_weights_over_a_gloo_group(addrs, http, tmp_path, tiny_model_dir, monkeypatch):
+    """The trainer joins the weight-update group as rank 0 and broadcasts the weights in buckets;
+    both servers then generate exactly as the trainer's model. A server that joins afterwards is
+    not in the group: it gets the last weights from disk and the new version label."""
+    a, b, c = addrs["A"], addrs["B"], addrs["C"]
+    http.post(f"http://{c}/update_weights_from_disk", json={"model_path": str(tiny_model_dir),
+                                                           "weight_version": "0"})
+    listing = tmp_path / "servers.txt"
+    write_addresses(listing, a, b)
+    pool = SGLangPool(addresses_file=listing, refresh_interval=3600)
+    group = None
+    try:
+        pool.update_weights(WeightUpdate(version=10, path=str(tiny_model_dir)))
+        group = weight_sync.connect(pool, "127.0.0.1", free_port(), backend="gloo",
+                                    group_name="test_group")
+        trainer = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+        trainer.load_state_dict(perturbed(trainer, 0.05, seed=22))
+        state = trainer.state_dict()
+        labels = []
+        update = pool.update_weights
+        monkeypatch.setattr(pool, "update_weights",
+                            lambda u: (labels.append(u.version), update(u))[1])
+        total = sum(t.numel() * t.element_size() for t in state.values())
+        buckets = weight_sync.broadcast_buckets(pool, group, state.items(), version=11,
+                                                bucket_bytes=total // 3)
+        assert buckets >= 3 and labels == [10] * (buckets - 1) + [11]
+        assert pool.version == 11 and not pool.paused
+
+        prompt = prompts(1)[0]
+        tokens = greedy_reference(trainer, prompt, 8)
+        logprobs = forward_logprobs(trainer, prompt, tokens, 1.0)
+        for address in (a, b):
+            out = served_greedy(http, address, prompt)
+            assert out["output_ids"] == tokens
+            torch.testing.assert_close(
+                torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]),
+                logprobs, atol=1e-4, rtol=1e-4)
+            assert out["meta_info"]["weight_version"] == "11"
+
+        write_addresses(listing, a, b, c)
+        pool.refresh()
+        assert http.get(f"http://{c}/model_info").json()["weight_version"] == "11"
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+        assert served_greedy(http, c, prompt)["output_ids"] == greedy_reference(base, prompt, 8)
+    finally:
+        if group is not None:
+            pool.destroy_weight_group("test_group")
+            group.close()
+        pool.close()
