@@ -13,10 +13,7 @@ Throughput is useful tokens per second; the ratio column is engine / method, fro
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
-import os
 import random
 import statistics
 import tempfile
@@ -136,17 +133,7 @@ def show(result: dict) -> None:
     Console().print(table)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny model only")
-    parser.add_argument("--out", default="benchmarks/results/engine.json")
-    args = parser.parse_args()
-    result = run(quick=args.quick)
-    show(result)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-
-
 if __name__ == "__main__":
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    main()
+    from common import main
+
+    main(__doc__, run, show, "engine")

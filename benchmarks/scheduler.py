@@ -10,11 +10,8 @@ Reports episodes per second for both and the scheduler's cost per episode in mic
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import time
-from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -104,16 +101,7 @@ def show(r: dict) -> None:
     Console().print(table)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", default="benchmarks/results/scheduler.json")
-    args = parser.parse_args()
-    result = run(args.quick)
-    show(result)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-
-
 if __name__ == "__main__":
-    main()
+    from common import main
+
+    main(__doc__, run, show, "scheduler")

@@ -9,8 +9,6 @@ the same run), and MFU = tokens/s x 6 x parameters / measured matmul peak of thi
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import tempfile
 import time
@@ -113,16 +111,7 @@ def show(result: dict) -> None:
     Console().print(table)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny model only")
-    parser.add_argument("--out", default="benchmarks/results/training.json")
-    args = parser.parse_args()
-    result = run(args.quick)
-    show(result)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-
-
 if __name__ == "__main__":
-    main()
+    from common import main
+
+    main(__doc__, run, show, "training")
