@@ -63,7 +63,8 @@ def test_weight_sync_makes_the_local_engine_match_the_trainer(world, tiny_model_
     trainer.train(batch, TokenNLL())
     pool = LocalEngine(tiny_model_dir)
     try:
-        pool.update_weights(WeightUpdate(version=1, state_dict=trainer.full_state_dict()))
+        seconds = trainer.sync_weights(pool, 1)
+        assert set(seconds) == {"sync/gather_seconds", "sync/send_seconds"}
         prompt = batch["input_ids"][0, :6].tolist()
         out = asyncio.run(pool.generate(GenerationRequest(
             input_ids=prompt, sampling=SamplingParams(max_new_tokens=8, temperature=0.8,
@@ -154,3 +155,17 @@ def test_bf16_and_activation_checkpointing_train(world, tiny_model_dir):
         torch.cat([g.flatten() for g in grads[2].values()]), dim=0)
     assert cos > 0.99
     assert all(t.dtype == torch.float32 for t in bf16.full_state_dict().values())
+
+
+def test_weight_sync_through_a_folder(world, tiny_model_dir, tmp_path):
+    trainer = engine(tiny_model_dir)
+    batch = fixed_batch(trainer.model.config.vocab_size)
+    trainer.train(batch, TokenNLL())
+    pool = LocalEngine(tiny_model_dir)
+    try:
+        trainer.sync_weights(pool, 4, folder=tmp_path / "sync")
+        assert pool.version == 4
+        expected = trainer.full_state_dict()
+        assert all(torch.equal(pool.model.state_dict()[k], v) for k, v in expected.items())
+    finally:
+        pool.close()

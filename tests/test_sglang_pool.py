@@ -21,6 +21,7 @@ from areal_flow import generation_pools
 from areal_flow.inference.launcher import SGLangLauncher, serve_command
 from areal_flow.inference.sglang_pool import SGLangPool, WeightUpdateError, _resubmission_seed
 from areal_flow.runtime import weight_sync
+from areal_flow.runtime.engine import TrainConfig, TrainEngine
 from areal_flow.types import GenerationRequest, SamplingParams, WeightUpdate
 from tests.test_local_engine import forward_logprobs, greedy_reference, perturbed, prompts
 from tests.test_protocol_server import free_port, wait_for
@@ -253,15 +254,19 @@ def test_bucketed_weights_over_a_gloo_group(addrs, http, tmp_path, tiny_model_di
                                     group_name="test_group")
         trainer = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
         trainer.load_state_dict(perturbed(trainer, 0.05, seed=22))
+        trainer.save_pretrained(tmp_path / "trained")
         state = trainer.state_dict()
         labels = []
         update = pool.update_weights
         monkeypatch.setattr(pool, "update_weights",
                             lambda u: (labels.append(u.version), update(u))[1])
         total = sum(t.numel() * t.element_size() for t in state.values())
-        buckets = weight_sync.broadcast_buckets(pool, group, state.items(), version=11,
-                                                bucket_bytes=total // 3)
+        # the FSDP runtime gathers its shards and sends them over the group in buckets
+        runtime = TrainEngine(tmp_path / "trained", TrainConfig())
+        seconds = runtime.sync_weights(pool, 11, group=group, bucket_bytes=total // 3)
+        buckets = len(labels)
         assert buckets >= 3 and labels == [10] * (buckets - 1) + [11]
+        assert seconds["sync/send_seconds"] > 0
         assert pool.version == 11 and not pool.paused
 
         prompt = prompts(1)[0]
@@ -285,3 +290,5 @@ def test_bucketed_weights_over_a_gloo_group(addrs, http, tmp_path, tiny_model_di
             pool.destroy_weight_group("test_group")
             group.close()
         pool.close()
+        if torch.distributed.is_initialized():  # the runtime's own one-process world
+            torch.distributed.destroy_process_group()

@@ -29,7 +29,7 @@ from transformers import AutoModel, AutoModelForCausalLM, get_constant_schedule_
 
 from areal_flow.config import OptimizerConfig
 from areal_flow.runtime.microbatch import assign_groups, micro_batches, split_to_count
-from areal_flow.types import Algorithm, ModelOutput
+from areal_flow.types import Algorithm, ModelOutput, WeightUpdate
 
 
 SUMMED_UNITS = {"tokens": True, "sequences": True, "constant": False}
@@ -265,6 +265,36 @@ class TrainEngine:
         """Unsharded parameters on CPU (every rank must call; all get them)."""
         return {name: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu()
                 for name, t in self.model.state_dict().items()}
+
+    # -- weight sync --------------------------------------------------------------------
+
+    def sync_weights(self, pool: Any, version: int, *, folder: str | Path | None = None,
+                     group: Any = None, bucket_bytes: int = 512 * 2**20) -> dict[str, float]:
+        """Give the generation pool (held by rank 0; None on other ranks) the current weights as
+        `version`. Every rank calls (the full tensors are gathered from all shards); rank 0 then
+        sends them over the weight-update `group` (`weight_sync.WeightGroup`, bucketed broadcast
+        to SGLang servers), or writes a `save_pretrained` `folder` for
+        `/update_weights_from_disk`, or, given neither, hands the state dict over in memory (the
+        local engine). Returns the seconds it took, for the recipe's stats."""
+        import time
+
+        start = time.perf_counter()
+        state = self.full_state_dict()
+        gathered = time.perf_counter()
+        if self.rank == 0:
+            if group is not None:
+                from areal_flow.runtime.weight_sync import broadcast_buckets
+
+                broadcast_buckets(pool, group, state.items(), version=version,
+                                  bucket_bytes=bucket_bytes)
+            elif folder is not None:
+                self.model.save_pretrained(folder, state_dict=state)
+                pool.update_weights(WeightUpdate(version=version, path=str(folder)))
+            else:
+                pool.update_weights(WeightUpdate(version=version, state_dict=state))
+        dist.barrier()
+        done = time.perf_counter()
+        return {"sync/gather_seconds": gathered - start, "sync/send_seconds": done - gathered}
 
     # -- checkpoints --------------------------------------------------------------------
 
