@@ -450,11 +450,8 @@ def served(tiny_model_dir):
         proc.wait(timeout=30)
 
 
-def test_cli_serve_generates_over_http(served, tiny_model_dir):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    prompt = AutoTokenizer.from_pretrained(tiny_model_dir).encode(PROMPT_TEXT)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+def assert_serves_like(served, model, prompt) -> dict:
+    """8 greedy tokens from the server equal `model`'s, logprobs included; returns the reply."""
     tokens, logprobs = greedy_reference(model, prompt, 8)
     out = ok(served.post("/generate", json={
         "input_ids": prompt, "return_logprob": True,
@@ -462,6 +459,15 @@ def test_cli_serve_generates_over_http(served, tiny_model_dir):
     assert out["output_ids"] == tokens
     assert [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]] == pytest.approx(
         logprobs, abs=1e-4)
+    return out
+
+
+def test_cli_serve_generates_over_http(served, tiny_model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    prompt = AutoTokenizer.from_pretrained(tiny_model_dir).encode(PROMPT_TEXT)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    out = assert_serves_like(served, model, prompt)
     assert ok(served.get("/model_info"))["weight_version"] == "0"
 
 
@@ -496,12 +502,6 @@ def test_weights_broadcast_over_a_gloo_group(served, tiny_model_dir):
             group.close()
     assert ok(served.post("/destroy_weights_update_group", json={}))["success"] is True
 
-    tokens, logprobs = greedy_reference(model, prompt, 8)
-    out = ok(served.post("/generate", json={
-        "input_ids": prompt, "return_logprob": True,
-        "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}}))
-    assert out["output_ids"] == tokens
-    assert [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]] == pytest.approx(
-        logprobs, abs=1e-4)
+    out = assert_serves_like(served, model, prompt)
     assert out["meta_info"]["weight_versions"] == [{"version": "3", "start": 0, "end": 8}]
     assert ok(served.get("/model_info"))["weight_version"] == "3"

@@ -18,6 +18,7 @@ import logging
 import math
 import multiprocessing
 import numbers
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -73,6 +74,7 @@ class RewardRunner:
         self._pool = ProcessPool(max_workers=max_workers, context=context)
         self._counts: Counter[str] = Counter()
         self._seconds = 0.0
+        self._lock = threading.Lock()
 
     async def score(self, reward: str | Callable[..., Any] | RewardSpec, *args, **kwargs) -> float:
         """The reward's score, or its `default` if it raised, crashed, hung or went out of range."""
@@ -94,11 +96,13 @@ class RewardRunner:
             outcome = "crash"
         except Exception as exc:
             outcome, value = "error", exc
-        self._seconds += time.perf_counter() - start
-        self._counts["calls"] += 1
+        with self._lock:  # stats() is read from the trainer thread
+            self._seconds += time.perf_counter() - start
+            self._counts["calls"] += 1
+            if outcome != "ok":
+                self._counts[outcome] += 1
         if outcome == "ok":
             return float(value)
-        self._counts[outcome] += 1
         log.warning("reward %r: %s (%s); scored its default %s", spec.name, outcome,
                     value if outcome in ("error", "invalid") else f"{spec.timeout} s limit",
                     spec.default)
@@ -106,8 +110,9 @@ class RewardRunner:
 
     def stats(self) -> dict[str, float]:
         """Calls and failures since the last call."""
-        counts, seconds = self._counts, self._seconds
-        self._counts, self._seconds = Counter(), 0.0
+        with self._lock:
+            counts, seconds = self._counts, self._seconds
+            self._counts, self._seconds = Counter(), 0.0
         calls = counts["calls"]
         return {
             "calls": calls,

@@ -226,7 +226,8 @@ class RolloutScheduler:
         batch["sample_ids"] = torch.tensor(
             [g.sample_id for g in groups for _ in g.episodes], dtype=torch.long)
         lags = (version - batch["versions"][batch["loss_mask"]]).tolist()
-        self._counts.update(f"staleness/{lag}" for lag in lags)
+        with self._cond:
+            self._counts.update(f"staleness/{lag}" for lag in lags)
         return batch
 
     def rollout_batch(
@@ -276,6 +277,11 @@ class RolloutScheduler:
         self._pending = deque(int(i) for i in state["pending"])
 
     # -- the event loop -----------------------------------------------------------------
+
+    def _count(self, key: str, n: int = 1) -> None:
+        # under the lock: stats() swaps the counter from the trainer thread
+        with self._cond:
+            self._counts[key] += n
 
     def _wake(self) -> None:
         """Re-check admission (from the trainer thread)."""
@@ -379,7 +385,6 @@ class RolloutScheduler:
                        sampling: SamplingParams, training: bool) -> tuple[_Group | None, str]:
         """Run one group, retrying it whole on errors: (group, "") or (None, why not).
         Evaluation runs (`training=False`) leave the training counters alone."""
-        counts = self._counts if training else Counter()
         tries = self.config.max_retries + 1
         for attempt in range(tries):
             try:
@@ -388,13 +393,15 @@ class RolloutScheduler:
                 log.info("sample %s skipped: %s", sample_id, exc)
                 return None, "skipped_long_prompts"
             except Exception as exc:
-                counts["workflow_errors"] += 1
+                if training:
+                    self._count("workflow_errors")
                 log.warning("workflow %r failed on sample %s (attempt %d of %d): %r",
                             self.workflow.name, sample_id, attempt + 1, tries, exc, exc_info=exc)
                 last = exc
                 continue
             kept = [ep for ep in episodes if ep is not None]
-            counts["rejected_episodes"] += len(episodes) - len(kept)
+            if training:
+                self._count("rejected_episodes", len(episodes) - len(kept))
             return _Group(sample_id, kept), ""
         if training:
             with self._cond:

@@ -429,9 +429,10 @@ def _split_groups(shard: TensorDict, parts: int) -> list[TensorDict]:
     """This rank's rows in `parts` mini-batches of whole groups (same count on every rank)."""
     gids = sorted(set(shard["group_ids"].tolist())) if shard.batch_size[0] else []
     chunks = [gids[i::parts] for i in range(parts)]
+    row_groups = shard["group_ids"].tolist()
     out = []
-    for chunk in chunks:
-        rows = [r for r, g in enumerate(shard["group_ids"].tolist()) if g in set(chunk)]
+    for chunk in map(set, chunks):
+        rows = [r for r, g in enumerate(row_groups) if g in chunk]
         out.append(shard[torch.tensor(rows, dtype=torch.long)])
     return out
 
