@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from areal_flow.config import OptimizerConfig
 from areal_flow.inference.local import LocalEngine
 from areal_flow.runtime.engine import TrainConfig, TrainEngine
-from areal_flow.types import GenerationRequest, SamplingParams, WeightUpdate
+from areal_flow.types import GenerationRequest, SamplingParams
 from tests.dist_train_script import TokenNLL, fixed_batch
 
 
