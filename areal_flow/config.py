@@ -71,6 +71,9 @@ class PolicyLossConfig:
         default="token", validator=v.in_(("token", "sequence"))
     )
     """Average the loss over all tokens of the batch, or per sequence first."""
+    recompute_proximal: bool = True
+    """Recompute pi_prox with a forward pass before the update; False approximates it from each
+    token's policy version (log-linear between behavior and current logprobs), saving a forward."""
 
 
 @attrs.frozen(kw_only=True)

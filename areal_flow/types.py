@@ -329,8 +329,14 @@ class LossOutput:
 class Algorithm(Protocol):
     """Loss steps on tensors; never touches processes, devices or sharding.
 
-    An algorithm with the ``critic`` role also defines
+    ``roles`` names the models whose forward pass over the batch, before the update, it needs:
+    ``actor`` → ``prox_logprobs`` (the policy before this update), ``ref`` → ``ref_logprobs``,
+    ``critic`` → ``values``. An algorithm with the ``critic`` role also defines
     ``critic_loss(out: ModelOutput, mb: TensorDict) -> LossOutput``.
+
+    Batch keys besides the collated ones (`areal_flow.data.collate`): ``policy_version`` per row
+    (the version being trained, set by the scheduler) and ``minibatch_progress`` per row (the
+    fraction of this batch's optimizer steps already taken, set by the runtime).
     """
 
     roles: tuple[Role, ...]

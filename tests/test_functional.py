@@ -160,3 +160,53 @@ def test_reward_scaling(rewards, scale, bias, clip):
     got = F.scale_rewards(torch.tensor(rewards), scale=scale, bias=bias, clip=clip)
     for g, r in zip(got.tolist(), rewards):
         assert g == pytest.approx(max(-clip, min(clip, (r + bias) * scale)), rel=1e-4, abs=1e-4)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(finite, finite, st.integers(0, 6)), min_size=1, max_size=10),
+       st.integers(0, 4), st.sampled_from([0.0, 0.25, 0.5, 0.75]))
+def test_interpolate_proximal_is_log_linear_in_versions(tokens, ahead, progress):
+    behav = [b for b, _, _ in tokens]
+    current = [c for _, c, _ in tokens]
+    prox_version = max(v for _, _, v in tokens) + ahead  # the trainer is never behind a token
+    got = F.interpolate_proximal(
+        torch.tensor([behav]), torch.tensor([current]),
+        torch.tensor([[v for _, _, v in tokens]]), torch.tensor([prox_version]),
+        torch.tensor([progress]))[0]
+    for i, (b, c, v) in enumerate(tokens):
+        trained_version = prox_version + progress
+        if trained_version == v:  # only when the token is current and nothing has moved yet
+            expected = b
+        else:  # the point at version prox_version on the line through (v, b) and (trained, c)
+            expected = b + (c - b) * (prox_version - v) / (trained_version - v)
+        assert got[i].item() == pytest.approx(expected, rel=1e-4, abs=1e-4)
+        if progress == 0.0 and v < prox_version:  # before the first step π_θ is π_prox
+            assert got[i].item() == pytest.approx(c, rel=1e-4, abs=1e-4)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(finite, st.booleans()), min_size=1, max_size=16))
+def test_whiten_normalises_the_masked_positions(cells):
+    values = torch.tensor([[x for x, _ in cells]], dtype=torch.float64)  # near-equal values
+    mask = torch.tensor([[m for _, m in cells]])
+    got = F.whiten(values, mask)[0].tolist()
+    live = [x for x, m in cells if m]
+    for (x, m), g in zip(cells, got):
+        if not m:
+            assert g == 0.0
+        else:
+            expected = (x - statistics.fmean(live)) / (statistics.pstdev(live) + 1e-8)
+            assert g == pytest.approx(expected, rel=1e-3, abs=1e-3)
+
+
+@given(st.lists(st.tuples(finite, st.lists(st.booleans(), min_size=4, max_size=4)),
+                min_size=1, max_size=5))
+def test_final_token_rewards_put_each_reward_on_the_last_model_token(rows):
+    rewards = torch.tensor([r for r, _ in rows])
+    mask = torch.tensor([m for _, m in rows])
+    got = F.final_token_rewards(rewards, mask)
+    for i, (r, m) in enumerate(rows):
+        last = max((t for t in range(4) if m[t]), default=None)
+        for t in range(4):
+            expected = r if t == last else 0.0
+            assert got[i, t].item() == pytest.approx(expected, abs=1e-5)

@@ -140,6 +140,94 @@ def importance_weight(prox_logp: Tensor, behav_logp: Tensor,
     return w.clamp(max=cap), w > cap
 
 
+def interpolate_proximal(behav_logp: Tensor, current_logp: Tensor, versions: Tensor,
+                         prox_version: Tensor, progress: Tensor) -> Tensor:
+    """log π_prox without a forward pass, log-linear in policy versions (per token).
+
+    The token was sampled by version v_b (`versions`), π_prox is version v_p (`prox_version`,
+    per row) and the weights being trained are v_θ = v_p + `progress` (the fraction of this
+    batch's optimizer steps already taken, per row):
+        log π_prox ≈ log π_b + α (log π_θ − log π_b),   α = (v_p − v_b) / (v_θ − v_b)
+    exact at both ends: a token of the current version (v_b = v_p) keeps its behavior logprob,
+    and before the first optimizer step (progress 0) π_prox = π_θ. `current_logp` is detached.
+    """
+    v_b = versions.to(torch.float64)
+    v_p = prox_version.to(torch.float64)[:, None]
+    span = v_p + progress.to(torch.float64)[:, None] - v_b
+    alpha = torch.where(span > 0, (v_p - v_b) / span.clamp(min=1e-12), 0.0).to(behav_logp.dtype)
+    return behav_logp + alpha * (current_logp.detach() - behav_logp)
+
+
+def decoupled_policy_loss(logp: Tensor, mb, config) -> tuple[Tensor, dict[str, Tensor]]:
+    """AReaL's decoupled PPO loss per token for a micro-batch `mb`, and stats that show it:
+        L = w · max(−ρA, −clip(ρ, 1 − ε_low, 1 + ε_high) A)  (+ dual clip),
+        ρ = π_θ / π_prox,   w = min(π_prox / π_behav, cap)   (w carries no gradient)
+    π_behav is `mb["logprobs"]` (from generation); π_prox is `mb["prox_logprobs"]` when the
+    runtime recomputed it (the algorithm has the `actor` role), else `interpolate_proximal`.
+    `config` is a `PolicyLossConfig`.
+    """
+    behav, mask = mb["logprobs"], mb["loss_mask"]
+    if "prox_logprobs" in mb.keys():
+        prox = mb["prox_logprobs"]
+    else:
+        prox = interpolate_proximal(behav, logp, mb["versions"], mb["policy_version"],
+                                    mb["minibatch_progress"])
+    weight, capped = importance_weight(prox, behav, config.importance_weight_cap)
+    surrogate, clipped = ppo_surrogate(logp, prox, mb["advantages"], eps_low=config.eps_clip,
+                                       eps_high=config.eps_clip_high,
+                                       dual_clip=config.dual_clip)
+    with torch.no_grad():
+        n = mask.sum().clamp(min=1)
+        stats = {
+            "clip_fraction": (clipped & mask).sum() / n,
+            "importance_weight_mean": (weight * mask).sum() / n,
+            "importance_weight_max": (weight * mask).max(),
+            "capped_fraction": (capped & mask).sum() / n,
+            "approx_kl": ((behav - logp) * mask).sum() / n,
+        }
+    return weight.detach() * surrogate, stats
+
+
+def actor_loss(out, mb, config):
+    """The policy's `LossOutput` for GRPO and PPO: the decoupled policy loss, plus β·KL(π_θ‖π_ref)
+    per token when the KL penalty is in the loss, minus the entropy bonus, aggregated as
+    `config.loss.aggregation` says. `config` has `loss`, `kl_coef`, `kl_estimator`,
+    `kl_in_reward` and `entropy_coef` (`GRPOConfig`, `PPOConfig`)."""
+    from areal_flow.types import LossOutput
+
+    mask = mb["loss_mask"]
+    n = mask.sum().clamp(min=1)
+    per_token, stats = decoupled_policy_loss(out.logprobs, mb, config.loss)
+    if config.kl_coef > 0 and not config.kl_in_reward:
+        kl = KL_ESTIMATORS[config.kl_estimator](out.logprobs, mb["ref_logprobs"])
+        per_token = per_token + config.kl_coef * kl
+        stats["kl_ref"] = (kl.detach() * mask).sum() / n
+    if config.entropy_coef > 0:
+        per_token = per_token + entropy_bonus(out.entropy, config.entropy_coef)
+    if out.entropy is not None:
+        stats["entropy"] = (out.entropy.detach() * mask).sum() / n
+    loss_sum, normalizer, unit = AGGREGATIONS[config.loss.aggregation](per_token, mask)
+    return LossOutput(loss_sum=loss_sum, normalizer=normalizer, unit=unit, stats=stats)
+
+
+def whiten(values: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
+    """(x − mean) / (std + eps) over the masked positions of the whole batch; 0 elsewhere."""
+    n = mask.sum().clamp(min=1)
+    mean = (values * mask).sum() / n
+    std = ((((values - mean) * mask) ** 2).sum() / n).sqrt()
+    return (values - mean) / (std + eps) * mask
+
+
+def final_token_rewards(rewards: Tensor, mask: Tensor) -> Tensor:
+    """Each row's scalar reward placed on its last masked position (the rest 0), for GAE."""
+    width = mask.shape[-1]
+    last = (mask.long() * torch.arange(width)).argmax(-1)
+    out = torch.zeros(mask.shape, dtype=torch.float32)
+    has = mask.any(-1)
+    out[has, last[has]] = rewards[has].float()
+    return out
+
+
 def token_level(per_token: Tensor, mask: Tensor) -> tuple[Tensor, float, str]:
     """Sum over every masked token, normalised by the number of tokens in the whole batch."""
     mask = mask.float()

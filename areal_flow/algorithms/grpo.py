@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import Literal
 
 import attrs
-import torch
 from attrs import validators as v
 
 from areal_flow.algorithms import algorithm
@@ -50,14 +49,16 @@ class GRPOConfig:
 class GRPO:
     def __init__(self, config: GRPOConfig | None = None):
         self.config = config or GRPOConfig()
-        self.roles = ("actor", "ref") if self.config.kl_coef > 0 else ("actor",)
+        self.roles = (("actor",) if self.config.loss.recompute_proximal else ()) + \
+            (("ref",) if self.config.kl_coef > 0 else ())
 
     def advantages(self, batch):
         c = self.config
         mask = batch["loss_mask"]
         rewards = batch["rewards"].float()
         if c.kl_coef > 0 and c.kl_in_reward:
-            kl = F.KL_ESTIMATORS[c.kl_estimator](batch["prox_logprobs"], batch["ref_logprobs"])
+            old = batch["prox_logprobs"] if "prox_logprobs" in batch.keys() else batch["logprobs"]
+            kl = F.KL_ESTIMATORS[c.kl_estimator](old, batch["ref_logprobs"])
             rewards = rewards - c.kl_coef * (kl * mask).sum(-1)
         adv = F.group_advantages(rewards, batch["group_ids"], std_normalize=c.std_normalize,
                                  leave_one_out=c.leave_one_out)
@@ -65,30 +66,4 @@ class GRPO:
         return batch
 
     def loss(self, out: ModelOutput, mb) -> LossOutput:
-        c, lc = self.config, self.config.loss
-        mask = mb["loss_mask"]
-        behav = mb["logprobs"]
-        prox = mb.get("prox_logprobs", behav)
-        weight, capped = F.importance_weight(prox, behav, lc.importance_weight_cap)
-        surrogate, clipped = F.ppo_surrogate(
-            out.logprobs, prox, mb["advantages"], eps_low=lc.eps_clip,
-            eps_high=lc.eps_clip_high, dual_clip=lc.dual_clip)
-        per_token = weight.detach() * surrogate
-        if c.kl_coef > 0 and not c.kl_in_reward:
-            per_token = per_token + c.kl_coef * F.KL_ESTIMATORS[c.kl_estimator](
-                out.logprobs, mb["ref_logprobs"])
-        if c.entropy_coef > 0 and out.entropy is not None:
-            per_token = per_token + F.entropy_bonus(out.entropy, c.entropy_coef)
-        loss_sum, normalizer, unit = F.AGGREGATIONS[lc.aggregation](per_token, mask)
-        n = mask.sum().clamp(min=1)
-        with torch.no_grad():
-            stats = {
-                "clip_fraction": (clipped & mask).sum() / n,
-                "importance_weight_mean": (weight * mask).sum() / n,
-                "importance_weight_max": (weight * mask).max(),
-                "capped_fraction": (capped & mask).sum() / n,
-                "approx_kl": ((behav - out.logprobs) * mask).sum() / n,
-            }
-            if out.entropy is not None:
-                stats["entropy"] = (out.entropy * mask).sum() / n
-        return LossOutput(loss_sum=loss_sum, normalizer=normalizer, unit=unit, stats=stats)
+        return F.actor_loss(out, mb, self.config)

@@ -196,7 +196,8 @@ class RolloutScheduler:
 
     def prepare_batch(self, batch_size: int | None = None, timeout: float | None = None):
         """Block until `batch_size` (default B) fresh groups are ready; return them collated
-        (a TensorDict of B·G rows with `sample_ids` besides the usual keys)."""
+        (a TensorDict of B·G rows with `sample_ids` and `policy_version`, the version
+        being trained, besides the usual keys)."""
         from areal_flow.data.collate import collate_groups
 
         size = batch_size or self.config.batch_size
@@ -225,6 +226,7 @@ class RolloutScheduler:
 
         batch["sample_ids"] = torch.tensor(
             [g.sample_id for g in groups for _ in g.episodes], dtype=torch.long)
+        batch["policy_version"] = torch.full((batch.batch_size[0],), version, dtype=torch.long)
         lags = (version - batch["versions"][batch["loss_mask"]]).tolist()
         with self._cond:
             self._counts.update(f"staleness/{lag}" for lag in lags)

@@ -92,7 +92,8 @@ class ValueModel(torch.nn.Module):
 
     def forward(self, input_ids, attention_mask):
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        return self.head(hidden).squeeze(-1)
+        # a fresh tensor: FSDP warns that in-place ops on a returned view would skip its hooks
+        return self.head(hidden).squeeze(-1).clone()
 
 
 class TrainEngine:
@@ -184,21 +185,25 @@ class TrainEngine:
         Rank 0 passes the full batch; other ranks pass None. If rank 0 passes an exception
         (its rollout failed), every rank raises it instead of waiting forever.
         """
+        engines = {"actor": self, "ref": ref, "critic": critic}
+        missing = [role for role in algorithm.roles if engines[role] is None]
+        if missing:
+            raise ValueError(f"{type(algorithm).__name__} needs a model for the role(s) "
+                             f"{missing}: pass train(..., ref=TrainEngine(path, config, "
+                             "trainable=False)) / critic=TrainEngine(path, config, value=True)")
         shard, owned = self._scatter(batch)
-        roles = set(algorithm.roles)
-        role_outputs = {}
-        if "actor" in roles:
-            role_outputs["prox_logprobs"] = self.forward(shard)["logprobs"]
-        if "ref" in roles and ref is not None:
-            role_outputs["ref_logprobs"] = ref.forward(shard)["logprobs"]
-        if "critic" in roles and critic is not None:
-            role_outputs["values"] = critic.forward(shard)["values"]
-        for key, value in role_outputs.items():
-            shard[key] = value
+        outputs = {"actor": ("prox_logprobs", "logprobs"), "ref": ("ref_logprobs", "logprobs"),
+                   "critic": ("values", "values")}
+        for role in algorithm.roles:
+            key, field = outputs[role]
+            shard[key] = engines[role].forward(shard)[field]
         shard = self._advantages_on_rank0(shard, owned, algorithm)
 
         stats: dict[str, list[float]] = defaultdict(list)
-        for mini in _split_groups(shard, self.config.ppo_minibatches):
+        minis = _split_groups(shard, self.config.ppo_minibatches)
+        for k, mini in enumerate(minis):
+            # how far the weights have moved from pi_prox, for version-based approximations
+            mini["minibatch_progress"] = torch.full((mini.batch_size[0],), k / len(minis))
             for key, value in self._step(mini, algorithm.loss).items():
                 stats[key].append(value)
             if critic is not None and hasattr(algorithm, "critic_loss"):

@@ -1,0 +1,89 @@
+"""PPO with a learned critic, GAE and the decoupled (asynchronous) policy loss.
+
+advantages (once per batch, before the update; V from the critic, r_t the row's reward on its
+last model token, minus β·KL_t on every model token when the KL penalty goes into the reward):
+    δ_t = r_t + γ V_{t+1} − V_t,   A_t = δ_t + γλ A_{t+1},   R_t = A_t + V_t
+    A ← (A − mean(A)) / std(A) over the batch's model tokens (optional)
+actor loss per model token: the decoupled clipped surrogate shared with GRPO
+    L = w · max(−ρA, −clip(ρ, 1 − ε_low, 1 + ε_high) A) [+ β·KL_t] − c_H·H_t
+critic loss per model token (V_old = the critic's values before the update):
+    L_V = ½ max((V − R)², (V_old + clip(V − V_old, −ε_V, ε_V) − R)²)
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import attrs
+from attrs import validators as v
+
+from areal_flow.algorithms import algorithm
+from areal_flow.algorithms import functional as F
+from areal_flow.config import PolicyLossConfig
+from areal_flow.types import LossOutput, ModelOutput
+
+
+@attrs.frozen(kw_only=True)
+class PPOConfig:
+    """PPO options (defaults: γ = λ = 1, whitened advantages, no KL, value clip 0.2)."""
+
+    loss: PolicyLossConfig = attrs.field(factory=PolicyLossConfig)
+    gamma: float = attrs.field(default=1.0, validator=[v.ge(0.0), v.le(1.0)])
+    """Discount per model token."""
+    lam: float = attrs.field(default=1.0, validator=[v.ge(0.0), v.le(1.0)])
+    """GAE lambda: 1 is Monte-Carlo returns minus V, 0 is one-step TD."""
+    whiten_advantages: bool = True
+    """Normalise advantages to mean 0, std 1 over the batch's model tokens."""
+    value_clip: float = attrs.field(default=0.2, validator=v.gt(0.0))
+    """epsilon_V: how far the critic's value may move from V_old before the loss clips it."""
+    kl_coef: float = attrs.field(default=0.0, validator=v.ge(0.0))
+    """beta of the KL penalty against the reference model; 0 needs no reference."""
+    kl_estimator: Literal["k1", "k2", "k3"] = attrs.field(
+        default="k1", validator=v.in_(tuple(F.KL_ESTIMATORS)))
+    """KL estimator (k1, k2 or k3)."""
+    kl_in_reward: bool = True
+    """Subtract beta * KL per token from the reward (classic RLHF PPO) instead of the loss."""
+    entropy_coef: float = attrs.field(default=0.0, validator=v.ge(0.0))
+    """Entropy bonus coefficient."""
+
+
+@algorithm("ppo", config=PPOConfig)
+class PPO:
+    def __init__(self, config: PPOConfig | None = None):
+        self.config = config or PPOConfig()
+        self.roles = (("actor",) if self.config.loss.recompute_proximal else ()) + \
+            ("critic",) + (("ref",) if self.config.kl_coef > 0 else ())
+
+    def advantages(self, batch):
+        c = self.config
+        mask = batch["loss_mask"]
+        rewards = F.final_token_rewards(batch["rewards"], mask)
+        if c.kl_coef > 0 and c.kl_in_reward:
+            old = batch["prox_logprobs"] if "prox_logprobs" in batch.keys() else batch["logprobs"]
+            kl = F.KL_ESTIMATORS[c.kl_estimator](old, batch["ref_logprobs"])
+            rewards = rewards - c.kl_coef * kl * mask
+        values = batch["values"] * mask
+        advantages, returns = F.gae(rewards, values, mask, gamma=c.gamma, lam=c.lam)
+        if c.whiten_advantages:
+            advantages = F.whiten(advantages, mask)
+        batch["advantages"] = advantages
+        batch["returns"] = returns
+        return batch
+
+    def loss(self, out: ModelOutput, mb) -> LossOutput:
+        return F.actor_loss(out, mb, self.config)
+
+    def critic_loss(self, out: ModelOutput, mb) -> LossOutput:
+        mask = mb["loss_mask"]
+        old, returns = mb["values"], mb["returns"]
+        per_token = F.clipped_value_loss(out.values, old, returns, self.config.value_clip)
+        loss_sum, normalizer, unit = F.token_level(per_token, mask)
+        n = mask.sum().clamp(min=1)
+        moved = (out.values.detach() - old).abs() > self.config.value_clip
+        stats = {
+            "value_loss": per_token.detach().mul(mask).sum() / n,
+            "value_mean": (out.values.detach() * mask).sum() / n,
+            "return_mean": (returns * mask).sum() / n,
+            "value_clip_fraction": (moved & mask).sum() / n,
+        }
+        return LossOutput(loss_sum=loss_sum, normalizer=normalizer, unit=unit, stats=stats)
