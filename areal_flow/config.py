@@ -97,6 +97,32 @@ class OptimizerConfig:
 _converter = cattrs.Converter(forbid_extra_keys=True)
 
 
+@attrs.frozen(kw_only=True)
+class InferenceConfig:
+    """Where rollouts are generated: the in-process local engine, or SGLang(-protocol) servers."""
+
+    backend: str = "local"
+    """A registered generation pool: local (in-process engine) or sglang (HTTP servers)."""
+    dtype: Literal["float32", "bfloat16"] = attrs.field(
+        default="bfloat16", validator=v.in_(("float32", "bfloat16")))
+    """Local engine weights' dtype (bfloat16 decodes ~3x faster on CPU)."""
+    max_batch_size: int = attrs.field(default=64, validator=v.ge(1))
+    """Most sequences the local engine decodes at once."""
+    addresses: tuple[str, ...] = ()
+    """Running servers (host:port) for the sglang backend; none given launches `servers`."""
+    addresses_file: str | None = None
+    """A file of server addresses, one per line, re-read while training (servers join/leave)."""
+    server_gpus: tuple[int, ...] = (0,)
+    """GPUs for servers launched when no addresses are given: one server per tp_size of them
+    (keep them apart from the training ranks' GPUs)."""
+    tp_size: int = attrs.field(default=1, validator=v.ge(1))
+    """Tensor-parallel GPUs per launched SGLang server."""
+    server_program: Literal["sglang", "areal-flow"] = attrs.field(
+        default="sglang", validator=v.in_(("sglang", "areal-flow")))
+    """What launched servers run: SGLang (GPUs), or `areal-flow serve` (our SGLang-protocol
+    server over the local engine, for CPU machines and tests)."""
+
+
 def _describe(exc: BaseException, type_: Any) -> str:
     # cattrs' generic wording drops the validator's message, which names the allowed range.
     generic = cattrs.v.format_exception(exc, type_)

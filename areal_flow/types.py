@@ -170,6 +170,16 @@ class GenerationPool(Protocol):
     the version that produced it. ``abort`` is returned only for an explicit cancellation.
     """
 
+    in_process: bool
+    """True when `update_weights` takes an in-memory ``state_dict`` (the pool lives in the
+    trainer's process); False when weights come as a folder or over a weight-update group."""
+
+    @classmethod
+    def from_config(cls, config: Any, *, model: str, seed: int = 0,
+                    run_dir: Any = None) -> GenerationPool:
+        """Build the pool a recipe's `areal_flow.config.InferenceConfig` describes."""
+        ...
+
     @property
     def version(self) -> int:
         """The weight version new tokens are generated with."""

@@ -108,6 +108,13 @@ class LocalEngine:
         self._thread = threading.Thread(target=self._loop, name="local-engine", daemon=True)
         self._thread.start()
 
+    in_process = True
+
+    @classmethod
+    def from_config(cls, config, *, model: str, seed: int = 0, run_dir=None) -> LocalEngine:
+        """The pool a recipe asked for with `InferenceConfig` (every pool class has this)."""
+        return cls(model, dtype=config.dtype, max_batch_size=config.max_batch_size, seed=seed)
+
     # -- GenerationPool -----------------------------------------------------------------
 
     @property

@@ -230,6 +230,8 @@ class SGLangPool:
         self._epoch = 0
         """Pauses so far: an abort during another epoch than its submission's is an interruption."""
         self._closed = False
+        self._launcher = None
+        """Servers this pool launched (`from_config`), stopped by `close`."""
         self._counts: collections.Counter[str] = collections.Counter()
         self._tasks: set[asyncio.Task] = set()
 
@@ -242,6 +244,39 @@ class SGLangPool:
         except BaseException:
             self.close()
             raise
+
+    in_process = False
+
+    @classmethod
+    def from_config(cls, config, *, model: str, seed: int = 0, run_dir=None) -> SGLangPool:
+        """The pool a recipe asked for with `InferenceConfig`: the given servers, or servers it
+        launches on `server_gpus` (stopped when the pool closes). Fails at once, naming the
+        addresses, if no server answers."""
+        from areal_flow.inference.launcher import SGLangLauncher, serve_command, sglang_command
+
+        launcher = None
+        addresses = list(config.addresses) or None
+        if addresses is None and config.addresses_file is None:
+            commands = {"sglang": sglang_command, "areal-flow": serve_command}
+            log_dir = Path(run_dir) / "servers" if run_dir is not None else None
+            launcher = SGLangLauncher(model, gpus=config.server_gpus, tp_size=config.tp_size,
+                                      random_seed=seed, log_dir=log_dir,
+                                      command=commands[config.server_program])
+            addresses = launcher.start()
+        try:
+            pool = cls(addresses, addresses_file=None if addresses else config.addresses_file,
+                       tokenizer=model)
+        except BaseException:
+            if launcher is not None:
+                launcher.stop()
+            raise
+        pool._launcher = launcher
+        if not any(s["in_rotation"] for s in pool.servers()):
+            pool.close()
+            named = addresses or f"the servers listed in {config.addresses_file}"
+            raise ConnectionError(f"no generation server answers GET /health at {named}; "
+                                  "start them, or leave --inference.addresses empty to launch")
+        return pool
 
     # -- GenerationPool -------------------------------------------------------------------
 
@@ -284,6 +319,7 @@ class SGLangPool:
         return self._call(self._stats())
 
     def close(self) -> None:
+        """Stop the pool's thread, and the servers it launched (`from_config`)."""
         if self._closed:
             return
         self._closed = True
@@ -292,6 +328,8 @@ class SGLangPool:
             self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=60)
         self._loop.close()
+        if self._launcher is not None:
+            self._launcher.stop()
 
     # -- more control ---------------------------------------------------------------------
 
