@@ -161,5 +161,10 @@ def unstructure(config: Any) -> dict[str, Any]:
 
 
 def dump(config: Any, path: str | Path) -> None:
-    """Save a config as JSON (readable back with `load`)."""
-    Path(path).write_text(json.dumps(unstructure(config), indent=2) + "\n")
+    """Save a config as JSON (a .json path) or YAML (any other), readable back with `load`."""
+    import yaml
+
+    data = unstructure(config)
+    text = json.dumps(data, indent=2) + "\n" if Path(path).suffix == ".json" else \
+        yaml.safe_dump(data, sort_keys=False)
+    Path(path).write_text(text)

