@@ -24,7 +24,8 @@ from attrs import validators as v
 
 from areal_flow import registry
 from areal_flow.algorithms.grpo import GRPO, GRPOConfig
-from areal_flow.config import InferenceConfig, OptimizerConfig, RolloutConfig, load, structure
+from areal_flow.config import (InferenceConfig, OptimizerConfig, PolicyLossConfig, RolloutConfig,
+                               load, structure)
 from areal_flow.data import offline
 from areal_flow.reward.gsm8k import extract_answer, has_answer_format
 from areal_flow.reward.runner import RewardRunner
@@ -34,8 +35,10 @@ from areal_flow.runtime.engine import TrainConfig, TrainEngine, init_distributed
 from areal_flow.types import SamplingParams
 from areal_flow.workflow.rlvr import RLVRConfig
 
-PROMPT = ("{question}\nSolve it step by step, then write the final answer on its own line "
-          "as '#### <number>'.")
+PROMPT = ("Answer the question. Show short reasoning, then the final number after '####'.\n\n"
+          "Example question: Tom has 3 apples and buys 2 more. How many apples does he have?\n"
+          "Example answer: 3 + 2 = 5. #### 5\n\nQuestion: {question}\nAnswer:")
+"""A one-shot prompt: SmolLM2-135M then writes '#### N' in about 1 completion of 6."""
 
 
 @attrs.frozen(kw_only=True)
@@ -47,9 +50,9 @@ class Config:
     dataset: str | None = None
     """openai/gsm8k, a local json/jsonl/parquet file or a saved HF dataset; default: the packaged
     GSM8K file, split deterministically into train and eval."""
-    eval_size: int = attrs.field(default=32, validator=v.ge(0))
+    eval_size: int = attrs.field(default=16, validator=v.ge(0))
     """Eval rows (greedy pass@1); 0 turns eval off."""
-    eval_every: int = attrs.field(default=10, validator=v.ge(1))
+    eval_every: int = attrs.field(default=8, validator=v.ge(1))
     """Steps between evals (one also runs before training and after the last step)."""
     workflow: str = "rlvr"
     """A registered workflow (see `areal-flow plugins`)."""
@@ -60,9 +63,9 @@ class Config:
     """Replaces the reward named in the workflow's config (a registered reward)."""
     answer_field: str = "answer"
     """Dataset field with the reference solution, for the accuracy metrics."""
-    steps: int = attrs.field(default=12, validator=v.ge(1))
+    steps: int = attrs.field(default=24, validator=v.ge(1))
     """Training steps (one batch each)."""
-    save_every: int = attrs.field(default=10, validator=v.ge(1))
+    save_every: int = attrs.field(default=8, validator=v.ge(1))
     """Steps between checkpoints (one is also written at the end and on Ctrl-C / SIGTERM)."""
     samples_per_step: int = attrs.field(default=2, validator=v.ge(0))
     """Prompt/completion/reward triples written to samples.jsonl per step."""
@@ -72,11 +75,13 @@ class Config:
     """Continue the run in --run-dir from its newest checkpoint."""
     seed: int = 0
     """Seeds data order, sampling and initialisation."""
-    rollout: RolloutConfig = RolloutConfig(batch_size=4, group_size=4, max_staleness=1,
+    rollout: RolloutConfig = RolloutConfig(batch_size=2, group_size=8, max_staleness=1,
                                            max_concurrent=32)
-    sampling: SamplingParams = SamplingParams(max_new_tokens=160, temperature=1.0)
-    algorithm: GRPOConfig = GRPOConfig()
-    train: TrainConfig = TrainConfig(optim=OptimizerConfig(lr=2e-6), bf16=True)
+    sampling: SamplingParams = SamplingParams(max_new_tokens=128, temperature=1.0)
+    # one optimizer step per batch makes the version-based proximal logprobs exact, so the
+    # forward pass that would recompute them is skipped
+    algorithm: GRPOConfig = GRPOConfig(loss=PolicyLossConfig(recompute_proximal=False))
+    train: TrainConfig = TrainConfig(optim=OptimizerConfig(lr=2e-5), bf16=True)
     inference: InferenceConfig = InferenceConfig()
 
     def __attrs_post_init__(self) -> None:
