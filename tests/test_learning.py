@@ -73,6 +73,14 @@ def assert_learned(rewards):
     assert last >= 2 * first and last >= first + 0.2, rewards
 
 
+def test_the_plugins_command_lists_the_builtin_algorithms():
+    from tests.helpers import run_cli
+
+    rows = [[c.strip() for c in line.strip("│ ").split("│")]
+            for line in run_cli("plugins").stdout.splitlines() if "│" in line]
+    assert {row[1] for row in rows if row[0] == "algorithm"} >= {"grpo", "ppo", "sft"}
+
+
 def test_builtin_algorithms_are_registered_with_their_configs():
     assert (algorithms.get("grpo").cls, algorithms.get("grpo").config) == (GRPO, GRPOConfig)
     assert (algorithms.get("ppo").cls, algorithms.get("ppo").config) == (PPO, PPOConfig)
