@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Literal
 
 import tyro
@@ -10,6 +11,7 @@ from rich.table import Table
 
 from areal_flow import registry
 from areal_flow.registry import RegistryError
+from areal_flow.slurm import SlurmJob, sbatch_script
 
 
 def plugins(check: bool = False) -> int:
@@ -86,9 +88,62 @@ def serve(
     return 0
 
 
+def plot(
+    run_dirs: Annotated[tuple[str, ...], tyro.conf.Positional,
+                        tyro.conf.arg(metavar="RUN_DIR [RUN_DIR ...]")],
+    out: str | None = None,
+    keys: tuple[str, ...] = (),
+) -> int:
+    """Plot the metrics.jsonl curves of one or more run folders into one PNG, runs overlaid.
+
+    Args:
+        run_dirs: Run folders (each with a metrics.jsonl).
+        out: PNG file to write; default plot.png in the first run folder.
+        keys: Metrics to plot (e.g. reward/mean loss); default: areal_flow.plot.DEFAULT_KEYS.
+    """
+    from areal_flow.plot import output_path, plot_runs
+
+    try:
+        plot_runs(run_dirs, out, keys=keys or None)
+    except (FileNotFoundError, ValueError) as exc:
+        _say(str(exc), error=True)
+        return 2
+    _say(f"wrote {output_path(run_dirs, out)}")
+    return 0
+
+
+def slurm(job: Annotated[SlurmJob, tyro.conf.OmitArgPrefixes, tyro.conf.arg(name="")],
+          out: str | None = None) -> int:
+    """Print (or write with --out) an sbatch script for multi-node training: SGLang servers on
+    the first server_nodes nodes, torchrun on the rest; the training reads the servers from an
+    addresses file they are appended to as they come up. UNTESTED on real SLURM clusters.
+
+    Args:
+        out: File to write the script to; printed when not given.
+    """
+    try:
+        script = sbatch_script(job)
+    except ValueError as exc:
+        _say(str(exc), error=True)
+        return 2
+    if out is None:
+        print(script, end="")
+        return 0
+    Path(out).write_text(script)
+    _say(f"wrote {out}; submit it with: sbatch {out}")
+    return 0
+
+
+def _say(message: str, *, error: bool = False) -> None:
+    # paths and messages are printed as they are: no markup, no line breaks inserted
+    Console(stderr=error).print(message, style="red" if error else None, markup=False,
+                                highlight=False, soft_wrap=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     return tyro.extras.subcommand_cli_from_dict(
-        {"plugins": plugins, "check-reward": check_reward, "serve": serve},
+        {"plugins": plugins, "check-reward": check_reward, "serve": serve, "plot": plot,
+         "slurm": slurm},
         prog="areal-flow",
         description="areal_flow: asynchronous RL post-training for LLMs.",
         args=argv,
