@@ -22,7 +22,7 @@ DEFAULT_KEYS = (
     "importance_weight_mean", "importance_weight_max",
     "entropy",
     # losses (critic/value_loss: PPO, nll: SFT)
-    "loss", "critic/value_loss", "nll", "grad_norm",
+    "loss", "critic/value_loss", "nll", "eval/nll", "grad_norm",
     # throughput
     "tokens_per_second", "seconds/step",
     "staleness/mean",

@@ -1,4 +1,4 @@
-"""One `Registry` type, four instances: everything selectable by name is looked up here.
+"""One `Registry` type, five instances: everything selectable by name is looked up here.
 
 Names come from three places, in this order:
 1. entry points of installed distributions (the project's own built-ins included), loaded one
@@ -227,5 +227,6 @@ algorithms = Registry(
     "algorithm", "areal_flow.algorithms", lambda name, cls: AlgorithmSpec(name=name, cls=cls)
 )
 generation_pools = Registry("generation pool", "areal_flow.generation_pools")
+loggers = Registry("logger", "areal_flow.loggers")
 
-ALL = (workflows, rewards, algorithms, generation_pools)
+ALL = (workflows, rewards, algorithms, generation_pools, loggers)

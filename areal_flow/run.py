@@ -2,13 +2,15 @@
 
 The folder holds the resolved `config.yaml`, `metrics.jsonl` (one line per step, every
 component's `stats()`), `samples.jsonl` (a few prompt/completion/reward triples per step),
-`checkpoints/step-N/` (exact-resume state plus a `save_pretrained` model) and the servers' logs.
-Recipes print through `LiveDisplay` and stop cleanly through `StopRequest`.
+`checkpoints/step-N/` (exact-resume state plus a `save_pretrained` model), the servers' logs and
+the trackers' files (`tensorboard/`, `wandb/`). Recipes print through `LiveDisplay` and stop
+cleanly through `StopRequest`; `RunConfig` holds the options every recipe shares.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import threading
 import time
@@ -17,19 +19,63 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from areal_flow.config import dump
+import attrs
+import torch
+import torch.distributed as dist
+from attrs import validators as v
+
+from areal_flow import registry
+from areal_flow.config import dump, unstructure
 
 COMPLETE = "COMPLETE"
 """Marker written into a checkpoint folder once everything in it is on disk."""
+
+
+@attrs.frozen(kw_only=True)
+class RunConfig:
+    """The options every recipe shares: what to train on, for how long, where the run lives."""
+
+    model: str | None = None
+    """HF folder or hub id; default: the packaged SmolLM2-135M-Instruct (converted once)."""
+    dataset: str | None = None
+    """openai/gsm8k, a local json/jsonl/parquet file or a saved HF dataset; default: the packaged
+    GSM8K file, split deterministically into train and eval."""
+    eval_size: int = attrs.field(default=16, validator=v.ge(0))
+    """Held-out rows evaluated; 0 turns eval off."""
+    eval_every: int = attrs.field(default=8, validator=v.ge(1))
+    """Steps between evals (one also runs before training and after the last step)."""
+    steps: int = attrs.field(default=24, validator=v.ge(1))
+    """Training steps (one batch each)."""
+    save_every: int = attrs.field(default=8, validator=v.ge(1))
+    """Steps between checkpoints (one is also written at the end and on Ctrl-C / SIGTERM)."""
+    keep_checkpoints: int = attrs.field(default=1, validator=v.ge(0))
+    """Newest checkpoints kept (an older one is deleted once a newer one is complete); 0 keeps
+    all. A SmolLM2-135M checkpoint is about 2 GB."""
+    run_dir: str | None = None
+    """Run folder; default runs/<recipe>-<time>."""
+    resume: bool = False
+    """Continue the run in --run-dir from its newest checkpoint."""
+    seed: int = 0
+    """Seeds data order, sampling and initialisation."""
+    logger: tuple[str, ...] = ()
+    """Trackers that also get the metrics (registered loggers: tensorboard, wandb)."""
+
+    def __attrs_post_init__(self) -> None:
+        if self.resume and self.run_dir is None:
+            raise ValueError("--resume needs --run-dir: the folder of the run to continue")
+        for name in self.logger:
+            registry.loggers.get(name)  # an unknown name fails now, with suggestions
 
 
 class RunDir:
     """The run folder. A new run refuses a folder that already holds one (unless resuming);
     resuming drops metric and sample lines after the checkpoint's step, so curves do not fork."""
 
-    def __init__(self, path: str | Path, *, resume: bool = False):
+    def __init__(self, path: str | Path, *, resume: bool = False, keep_checkpoints: int = 0):
         self.path = Path(path)
         self.resume = resume
+        self.keep_checkpoints = keep_checkpoints
+        self.loggers: list[Any] = []
         if resume and not self.path.is_dir():
             raise FileNotFoundError(f"--resume: no run folder at {self.path}")
         if not resume and (self.path / "metrics.jsonl").exists():
@@ -45,8 +91,22 @@ class RunDir:
     def write_config(self, config: Any) -> None:
         dump(config, self.path / "config.yaml")
 
+    def start_loggers(self, names: Iterable[str], config: Any, step: int) -> None:
+        """Open the named trackers (`registry.loggers`) at `step`; `log_metrics` feeds them."""
+        self.loggers = [registry.loggers.get(name)(self.path, config=unstructure(config),
+                                                   start_step=step) for name in names]
+
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
         self._append("metrics.jsonl", [{"step": step, **metrics}])
+        numbers = {k: float(x) for k, x in metrics.items()
+                   if isinstance(x, (int, float)) and not isinstance(x, bool)}
+        for logger in self.loggers:
+            logger.log(step, numbers)
+
+    def close(self) -> None:
+        for logger in self.loggers:
+            logger.close()
+        self.loggers = []
 
     def log_samples(self, step: int, samples: Iterable[dict[str, Any]]) -> None:
         self._append("samples.jsonl", [{"step": step, **s} for s in samples])
@@ -58,6 +118,44 @@ class RunDir:
         """The newest complete checkpoint: (step, folder)."""
         done = sorted(p for p in self.checkpoints.glob("step-*") if (p / COMPLETE).exists())
         return (int(done[-1].name.split("-")[1]), done[-1]) if done else None
+
+    def save_checkpoint(self, step: int, trainer: Any, *, extra: Any = None,
+                        tokenizer_from: str | Path | None = None, critic: Any = None) -> Path:
+        """Exact-resume state of `trainer` (and `critic`, in `critic/`) with `extra`, plus the
+        policy as a `save_pretrained` model in `hf/`; marked complete once all is on disk, then
+        older checkpoints beyond `keep_checkpoints` are deleted. Every rank calls."""
+        path = self.checkpoint_dir(step)
+        path.mkdir(parents=True, exist_ok=True)
+        trainer.save_checkpoint(path, extra_state=extra)
+        if critic is not None:
+            (path / "critic").mkdir(exist_ok=True)
+            critic.save_checkpoint(path / "critic")
+        trainer.save_hf(path / "hf", tokenizer_from=tokenizer_from)
+        if trainer.rank == 0:
+            (path / COMPLETE).touch()
+            if self.keep_checkpoints:
+                others = sorted(p for p in self.checkpoints.glob("step-*") if p != path)
+                complete = [p for p in others if (p / COMPLETE).exists()]
+                # unfinished folders are left-overs of a crash; they go too
+                kept = complete[len(complete) - (self.keep_checkpoints - 1):] \
+                    if self.keep_checkpoints > 1 else []
+                for old in others:
+                    if old not in kept:
+                        shutil.rmtree(old, ignore_errors=True)
+        dist.barrier()
+        return path
+
+    def load_checkpoint(self, trainer: Any, *, critic: Any = None) -> tuple[int, Any]:
+        """Restore the newest complete checkpoint into `trainer` (and `critic`) on every rank;
+        returns (its step, its extra state), or (0, None) when there is none."""
+        found = self.latest_checkpoint()
+        if found is None:
+            return 0, None
+        step, path = found
+        extra = trainer.load_checkpoint(path)
+        if critic is not None:
+            critic.load_checkpoint(path / "critic")
+        return step, extra
 
     def truncate_after(self, step: int) -> None:
         """Forget logged lines of steps after `step` (they are about to be redone)."""
@@ -72,6 +170,20 @@ class RunDir:
         with open(self.path / name, "a") as f:
             for record in records:
                 f.write(json.dumps(record, default=float) + "\n")
+
+
+def same_on_all_ranks(value: Any) -> Any:
+    """Rank 0's value everywhere (a default run folder's time stamp, the converted model)."""
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank if it is true on one (a stop request arrives at one process)."""
+    t = torch.tensor([float(flag)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
 
 
 class StopRequest:
@@ -142,7 +254,7 @@ class LiveDisplay:
         if self._live is None:
             shown = " ".join(f"{label} {_fmt(v)}" for label, v in values.items() if v is not None)
             self.console.print(f"step {step}/{self.total} {shown} eta {eta / 60:.1f} min",
-                               highlight=False)
+                               highlight=False, soft_wrap=True)
             return
         from rich.console import Group
         from rich.panel import Panel

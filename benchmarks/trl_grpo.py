@@ -84,7 +84,7 @@ def gsm8k_rows(n: int) -> list[dict]:
 
 def recipe_prompt() -> str:
     sys.path.insert(0, str(ROOT))
-    from recipes.gsm8k_grpo import PROMPT
+    from areal_flow.gsm8k_rl import PROMPT
 
     return PROMPT
 

@@ -23,6 +23,18 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def gsm8k_file(tmp_path_factory) -> Path:
+    """24 GSM8K-shaped rows (question, worked answer ending in '#### N') the tiny model can fit."""
+    import json
+
+    path = tmp_path_factory.mktemp("data") / "gsm8k.jsonl"
+    rows = [{"question": f"What is {a} plus {b}?", "answer": f"{a} + {b} = {a + b}\n#### {a + b}"}
+            for a in range(6) for b in range(4)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="session")
 def example_plugin_path(tmp_path_factory) -> Path:
     """examples/plugins/reverse_task installed for real with pip into a folder of its own."""
     target = tmp_path_factory.mktemp("plugin_site")

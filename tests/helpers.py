@@ -1,7 +1,8 @@
-"""Helpers for tests that need installed distributions or fresh interpreters."""
+"""Helpers for tests that need installed distributions, fresh interpreters or recipe runs."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -46,3 +47,24 @@ def _run(cmd: list[str], paths, check: bool) -> subprocess.CompletedProcess:
     if check and proc.returncode != 0:
         raise AssertionError(f"{cmd} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_recipe(recipe: str, args: list[str], *, launcher: tuple[str, ...] = (),
+               check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python recipes/<recipe>.py ARGS` from the repo root (tests' rewards importable)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([*(launcher or (sys.executable,)), str(ROOT / "recipes" / recipe),
+                             *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=timeout)
+    if check and result.returncode != 0:
+        raise AssertionError(f"exit {result.returncode}\n{result.stdout[-3000:]}\n"
+                             f"{result.stderr[-5000:]}")
+    return result
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    """The run folder's metrics.jsonl lines."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

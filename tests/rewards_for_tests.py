@@ -11,6 +11,12 @@ def length(completion: str) -> float:
     return float(len(completion))
 
 
+@reward("tests.completion_length", timeout=5.0, range=(0.0, 1000.0))
+def completion_length(completion: str, **fields) -> float:
+    """Takes whatever a workflow passes (answer, options): a reward a critic can learn."""
+    return float(len(completion))
+
+
 @reward("tests.sleeps_forever", timeout=0.5)
 def sleeps_forever(completion: str) -> float:
     while True:

@@ -13,17 +13,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-RECIPE = ROOT / "recipes" / "gsm8k_grpo.py"
+from tests.helpers import ROOT, metrics, run_recipe
 
-
-@pytest.fixture(scope="module")
-def gsm8k_file(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("data") / "gsm8k.jsonl"
-    rows = [{"question": f"What is {a} plus {b}?", "answer": f"{a} + {b} = {a + b}\n#### {a + b}"}
-            for a in range(6) for b in range(4)]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+RECIPE = "gsm8k_grpo.py"
 
 
 def tiny_args(model: Path, data: Path, run_dir: Path, *extra: str) -> list[str]:
@@ -32,21 +24,6 @@ def tiny_args(model: Path, data: Path, run_dir: Path, *extra: str) -> list[str]:
             "--rollout.batch-size", "2", "--rollout.group-size", "2",
             "--sampling.max-new-tokens", "8", "--inference.dtype", "float32",
             "--train.no-bf16", "--train.optim.lr", "1e-3", *extra]
-
-
-def run_recipe(args: list[str], *, launcher: tuple[str, ...] = (), check: bool = True,
-               timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([*(launcher or (sys.executable,)), str(RECIPE), *args], cwd=ROOT,
-                            env=env, capture_output=True, text=True, timeout=timeout)
-    if check and result.returncode != 0:
-        raise AssertionError(f"exit {result.returncode}\n{result.stdout[-3000:]}\n"
-                             f"{result.stderr[-5000:]}")
-    return result
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def check_run_folder(run_dir: Path, steps: int) -> None:
@@ -65,7 +42,7 @@ def check_run_folder(run_dir: Path, steps: int) -> None:
 
 
 def test_one_process(tiny_model_dir, gsm8k_file, tmp_path):
-    result = run_recipe(tiny_args(tiny_model_dir, gsm8k_file, tmp_path / "run"))
+    result = run_recipe(RECIPE, tiny_args(tiny_model_dir, gsm8k_file, tmp_path / "run"))
     check_run_folder(tmp_path / "run", 2)
     assert "done:" in result.stdout
 
@@ -73,12 +50,12 @@ def test_one_process(tiny_model_dir, gsm8k_file, tmp_path):
 def test_two_torchrun_ranks(tiny_model_dir, gsm8k_file, tmp_path):
     torchrun = (sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                 "--standalone")
-    run_recipe(tiny_args(tiny_model_dir, gsm8k_file, tmp_path / "run"), launcher=torchrun)
+    run_recipe(RECIPE, tiny_args(tiny_model_dir, gsm8k_file, tmp_path / "run"), launcher=torchrun)
     check_run_folder(tmp_path / "run", 2)
 
 
 def test_launched_protocol_servers(tiny_model_dir, gsm8k_file, tmp_path):
-    run_recipe(tiny_args(tiny_model_dir, gsm8k_file, tmp_path / "run", "--inference.backend",
+    run_recipe(RECIPE, tiny_args(tiny_model_dir, gsm8k_file, tmp_path / "run", "--inference.backend",
                          "sglang", "--inference.server-program", "areal-flow",
                          "--inference.server-gpus", "0", "1"))
     check_run_folder(tmp_path / "run", 2)
@@ -94,11 +71,11 @@ def test_resume_after_sigterm_continues_exactly(tiny_model_dir, gsm8k_file, tmp_
     exact = ["--rollout.max-staleness", "0", "--sampling.temperature", "0", "--eval-size", "0"]
     stopped = tmp_path / "stopped"
     args = tiny_args(tiny_model_dir, gsm8k_file, stopped, *exact, "--steps", "1000")
-    process = subprocess.Popen([sys.executable, str(RECIPE), *args], cwd=ROOT,
+    process = subprocess.Popen([sys.executable, str(ROOT / "recipes" / RECIPE), *args], cwd=ROOT,
                                env={**os.environ, "OMP_NUM_THREADS": "1"},
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 240
-    while not (stopped / "checkpoints" / "step-000001" / "COMPLETE").exists():
+    while not list(stopped.glob("checkpoints/step-*/COMPLETE")):
         assert process.poll() is None and time.monotonic() < deadline, process.stdout.read()
         time.sleep(0.1)  # polling for a file another process writes, not ordering our own work
     process.send_signal(signal.SIGTERM)
@@ -110,10 +87,10 @@ def test_resume_after_sigterm_continues_exactly(tiny_model_dir, gsm8k_file, tmp_
     assert (stopped / "checkpoints" / f"step-{stop_step:06d}" / "COMPLETE").exists()
 
     total = stop_step + 2
-    run_recipe(tiny_args(tiny_model_dir, gsm8k_file, stopped, *exact, "--steps", str(total),
+    run_recipe(RECIPE, tiny_args(tiny_model_dir, gsm8k_file, stopped, *exact, "--steps", str(total),
                          "--resume"))
     straight = tmp_path / "straight"
-    run_recipe(tiny_args(tiny_model_dir, gsm8k_file, straight, *exact, "--steps", str(total)))
+    run_recipe(RECIPE, tiny_args(tiny_model_dir, gsm8k_file, straight, *exact, "--steps", str(total)))
     resumed, reference = metrics(stopped), metrics(straight)
     assert [m["step"] for m in resumed] == [m["step"] for m in reference]
     for a, b in zip(resumed, reference):
@@ -133,7 +110,7 @@ def test_resume_after_sigterm_continues_exactly(tiny_model_dir, gsm8k_file, tmp_
     (["--workflow-config", '{"question_field": "query"}'], "query"),
 ])
 def test_bad_input_is_named(tiny_model_dir, gsm8k_file, tmp_path, extra, message):
-    result = run_recipe(tiny_args(tiny_model_dir, gsm8k_file, tmp_path / "run", *extra),
+    result = run_recipe(RECIPE, tiny_args(tiny_model_dir, gsm8k_file, tmp_path / "run", *extra),
                         check=False, timeout=120)
     assert result.returncode != 0
     assert message in result.stdout + result.stderr

@@ -126,3 +126,18 @@ def load_rows(dataset: str, split: str) -> list[dict[str, Any]]:
         raise ConnectionError(f"--dataset {dataset}: cannot load split {split!r} from the "
                               f"Hugging Face Hub ({error}); offline, leave --dataset unset to "
                               "use the packaged GSM8K file, or pass a local file") from error
+
+
+def train_eval_rows(dataset: str | None, eval_size: int) -> tuple[list[dict], list[dict], str]:
+    """A recipe's train and eval rows and a line saying where they come from: the packaged
+    GSM8K file (None) or one local file or folder split like it, or a hub dataset's train and
+    test splits."""
+    if dataset is None:
+        return gsm8k_offline_split(eval_size)
+    if Path(dataset).exists():
+        train, evaluation = split_rows(load_rows(dataset, "train"), eval_size)
+    else:
+        train = load_rows(dataset, "train")
+        evaluation = load_rows(dataset, "test")[:eval_size]
+    return train, evaluation, f"data: {dataset}, {len(train):,} train / " \
+        f"{len(evaluation):,} eval rows"
