@@ -241,7 +241,7 @@ class LiveDisplay:
 
     def print(self, *args: Any) -> None:
         if self.enabled:
-            self.console.print(*args)
+            self.console.print(*args, soft_wrap=True)  # paths and commands stay on one line
 
     def update(self, step: int, metrics: dict[str, float], sample: str | None = None) -> None:
         """Show the state after `step` (1-based count of finished steps)."""
