@@ -313,3 +313,23 @@ def test_set_version_relabels_new_tokens(tiny_model_dir):
         assert set(out.versions) == {7}
     finally:
         engine.close()
+
+
+def test_rows_that_truncate_and_rows_that_do_not_sample_as_they_would_alone():
+    """Only rows with top-k/top-p/min-p are truncated (the sort is skipped for the others);
+    each row's token is the one it would draw in a batch of its own."""
+    from areal_flow.inference.local import sample
+
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(0)) * 3
+    # a greedy row first, so sampled rows' positions differ from their batch indices
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=1),
+              SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.5)]
+    for seed in range(20):
+        def generators():
+            return [torch.Generator().manual_seed(seed + 100 * i) for i in range(len(params))]
+
+        together, _ = sample(logits, params, generators())
+        alone = [sample(logits[i:i + 1], [params[i]], [generators()[i]])[0].item()
+                 for i in range(len(params))]
+        assert together.tolist() == alone
+        assert together[0] == logits[0].argmax() and together[1] == logits[1].argmax()

@@ -453,11 +453,19 @@ def sample(
     tokens = logits.argmax(dim=-1)
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if sampled:
-        filtered = truncate(scaled[sampled], [params[i] for i in sampled])
+        filtered = scaled[sampled]
+        # truncation sorts the whole vocabulary: only for rows that ask for it
+        cut = [row for row, i in enumerate(sampled) if _truncates(params[i])]
+        if cut:
+            filtered[cut] = truncate(filtered[cut], [params[sampled[row]] for row in cut])
         probs = torch.softmax(filtered, dim=-1)
         for row, i in enumerate(sampled):
             tokens[i] = torch.multinomial(probs[row].cpu(), 1, generator=generators[i]).item()
     return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
+
+
+def _truncates(p) -> bool:
+    return p.top_k > 0 or p.top_p < 1 or p.min_p > 0
 
 
 def truncate(scaled: torch.Tensor, params: list) -> torch.Tensor:
