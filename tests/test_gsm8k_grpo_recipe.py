@@ -108,6 +108,8 @@ def test_resume_after_sigterm_continues_exactly(tiny_model_dir, gsm8k_file, tmp_
     (["--inference.backend", "sglang", "--inference.addresses", "127.0.0.1:9"],
      "no generation server answers"),
     (["--workflow-config", '{"question_field": "query"}'], "query"),
+    # rlvr passes answer=...; a reward without that parameter must not silently score 0
+    (["--reward", "tests.rewards_for_tests:length"], "cannot take the arguments"),
 ])
 def test_bad_input_is_named(tiny_model_dir, gsm8k_file, tmp_path, extra, message):
     result = run_recipe(RECIPE, tiny_args(tiny_model_dir, gsm8k_file, tmp_path / "run", *extra),

@@ -70,3 +70,10 @@ def test_a_reward_defined_in_a_script_gets_a_clear_error(runner):
 
     with pytest.raises(ValueError, match="cannot be imported by a worker process"):
         asyncio.run(runner.score(local, "x"))
+
+
+def test_a_reward_that_cannot_take_the_arguments_fails_instead_of_scoring_its_default(runner):
+    runner.stats()
+    with pytest.raises(TypeError, match=r"reward 'tests.length' cannot take .*\['answer'\]"):
+        asyncio.run(runner.score("tests.length", "abc", answer="12"))
+    assert runner.stats()["calls"] == 0  # nothing was sent to a worker

@@ -79,6 +79,12 @@ class RewardRunner:
     async def score(self, reward: str | Callable[..., Any] | RewardSpec, *args, **kwargs) -> float:
         """The reward's score, or its `default` if it raised, crashed, hung or went out of range."""
         spec = resolve(reward)
+        try:  # a signature mismatch is the caller's bug, not a bad completion: never a default
+            inspect.signature(spec.fn).bind(*args, **kwargs)
+        except TypeError as exc:
+            raise TypeError(f"reward {spec.name!r} cannot take the arguments it is called with "
+                            f"({exc}); accept them (e.g. **kwargs) or pick another reward: "
+                            f"keywords {sorted(kwargs)}") from None
         is_async = inspect.iscoroutinefunction(spec.fn)
         path = None if is_async else _importable_path(spec)
         start = time.perf_counter()
