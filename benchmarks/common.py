@@ -1,10 +1,11 @@
-"""The command line every benchmark module shares: run, print the table, write the JSON."""
+"""What every benchmark module shares: the command line (run, print the table, write the JSON)
+and the markdown table they print, which `run.py` collects into one report."""
 
 from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 
@@ -17,3 +18,8 @@ def main(doc: str, run: Callable[[bool], dict], show: Callable[[dict], None], na
     show(result)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+
+
+def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    lines = [columns, ["---"] * len(columns), *rows]
+    return "\n".join("| " + " | ".join(map(str, line)) + " |" for line in lines)

@@ -21,13 +21,12 @@ import time
 from pathlib import Path
 
 import torch
-from rich.console import Console
-from rich.table import Table
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from areal_flow.inference.local import LocalEngine
 from areal_flow.testing.tiny_model import build_tiny_model
 from areal_flow.types import GenerationRequest, SamplingParams
+from common import main, markdown_table
 
 
 def smollm2_sized(path: Path) -> Path:
@@ -123,17 +122,13 @@ def run(quick: bool = False) -> dict:
 
 
 def show(result: dict) -> None:
-    table = Table(title=f"local engine vs model.generate — {result['requests']} mixed requests, "
-                        f"{result['torch_threads']} threads")
-    for col in ("model", "dtype", "method", "seconds", "tokens/s", "engine speed-up"):
-        table.add_column(col)
-    for r in result["rows"]:
-        table.add_row(r["model"], r["dtype"], r["method"], f"{r['seconds']:.2f}",
-                      f"{r['tokens_per_s']:.0f}", f"{r['engine_speedup']:.2f}x")
-    Console().print(table)
+    print(f"local engine vs model.generate: {result['requests']} mixed requests, "
+          f"{result['torch_threads']} threads\n")
+    print(markdown_table(
+        ["model", "dtype", "method", "seconds", "tokens/s", "engine speed-up"],
+        [[r["model"], r["dtype"], r["method"], f"{r['seconds']:.2f}", f"{r['tokens_per_s']:.0f}",
+          f"{r['engine_speedup']:.2f}x"] for r in result["rows"]]))
 
 
 if __name__ == "__main__":
-    from common import main
-
     main(__doc__, run, show, "engine")

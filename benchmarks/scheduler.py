@@ -13,13 +13,11 @@ from __future__ import annotations
 import asyncio
 import time
 
-from rich.console import Console
-from rich.table import Table
-
 from areal_flow.config import RolloutConfig
 from areal_flow.rollout.scheduler import RolloutScheduler
 from areal_flow.types import Completion, SamplingParams, WorkflowSpec
 from areal_flow.workflow.context import RolloutContext
+from common import main, markdown_table
 
 PROMPT = list(range(1, 33))
 
@@ -93,15 +91,12 @@ def run(quick: bool = False) -> dict:
 
 
 def show(r: dict) -> None:
-    table = Table(title=f"scheduler overhead — {r['episodes']} episodes, zero-latency pool")
-    for col in ("scheduler ep/s", "bare gather ep/s", "slowdown", "overhead µs/episode"):
-        table.add_column(col)
-    table.add_row(f"{r['scheduler_episodes_per_s']:.0f}", f"{r['bare_episodes_per_s']:.0f}",
-                  f"{r['slowdown']:.2f}x", f"{r['overhead_us_per_episode']:.0f}")
-    Console().print(table)
+    print(f"scheduler overhead: {r['episodes']} episodes, zero-latency pool\n")
+    print(markdown_table(
+        ["scheduler ep/s", "bare gather ep/s", "slowdown", "overhead µs/episode"],
+        [[f"{r['scheduler_episodes_per_s']:.0f}", f"{r['bare_episodes_per_s']:.0f}",
+          f"{r['slowdown']:.2f}x", f"{r['overhead_us_per_episode']:.0f}"]]))
 
 
 if __name__ == "__main__":
-    from common import main
-
     main(__doc__, run, show, "scheduler")

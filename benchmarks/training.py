@@ -15,8 +15,6 @@ import time
 from pathlib import Path
 
 import torch
-from rich.console import Console
-from rich.table import Table
 from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the fixed batch
@@ -25,6 +23,7 @@ from areal_flow.config import OptimizerConfig  # noqa: E402
 from areal_flow.runtime.engine import TrainConfig, TrainEngine, shutdown_distributed  # noqa: E402
 from areal_flow.testing.tiny_model import build_tiny_model  # noqa: E402
 from benchmarks.engine import smollm2_sized  # noqa: E402
+from common import main, markdown_table  # noqa: E402
 from tests.dist_train_script import TokenNLL, fixed_batch  # noqa: E402
 
 
@@ -100,18 +99,14 @@ def run(quick: bool = False) -> dict:
 
 def show(result: dict) -> None:
     peaks = result["peak_flops"]
-    table = Table(title=f"training throughput — matmul peak fp32 {peaks['fp32'] / 1e9:.0f} "
-                        f"GFLOP/s, bf16 {peaks['bf16'] / 1e9:.0f} GFLOP/s")
-    for col in ("model", "precision", "runtime tok/s", "plain loop tok/s", "runtime/plain", "MFU"):
-        table.add_column(col)
-    for r in result["rows"]:
-        table.add_row(r["model"], r["precision"], f"{r['runtime_tokens_per_s']:.0f}",
-                      f"{r['plain_tokens_per_s']:.0f}", f"{r['runtime_vs_plain']:.2f}x",
-                      f"{100 * r['mfu']:.1f}%")
-    Console().print(table)
+    print(f"training throughput: matmul peak fp32 {peaks['fp32'] / 1e9:.0f} GFLOP/s, "
+          f"bf16 {peaks['bf16'] / 1e9:.0f} GFLOP/s, {result['torch_threads']} threads\n")
+    print(markdown_table(
+        ["model", "precision", "runtime tok/s", "plain loop tok/s", "runtime/plain", "MFU"],
+        [[r["model"], r["precision"], f"{r['runtime_tokens_per_s']:.0f}",
+          f"{r['plain_tokens_per_s']:.0f}", f"{r['runtime_vs_plain']:.2f}x",
+          f"{100 * r['mfu']:.1f}%"] for r in result["rows"]]))
 
 
 if __name__ == "__main__":
-    from common import main
-
     main(__doc__, run, show, "training")

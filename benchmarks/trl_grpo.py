@@ -4,12 +4,8 @@ Same model, data, prompt order, prompts per step, group size, max new tokens, te
 learning rate (constant, AdamW, grad-norm clip 1.0), steps; no KL; one optimizer step per batch,
 with no extra forward pass for old logprobs in either; token-level loss (TRL's "dapo" = areal_flow's
 "token" aggregation); group mean/std advantages; fp32 weights for generation and training.
-  tiny     (--quick and full) the tiny random model, 4 prompts x 4 completions x 16 tokens, 30
-           steps; reward = fraction of completion tokens in a fixed id set (tests/test_learning.py),
-           EOS never ends a completion (areal_flow ignore_eos, TRL min_new_tokens).
-  smollm2  (full only) SmolLM2-135M-Instruct on GSM8K rows in file order, the recipe's prompt and
-           reward (areal_flow.reward.gsm8k with format_weight 0.5), 2 prompts x 4 completions x 64
-           tokens, 3 steps.
+The problems are grpo_loop.py's: the tiny model (--quick and full; EOS never ends a completion:
+areal_flow ignore_eos, TRL min_new_tokens) and SmolLM2-135M on GSM8K (full only, 3 steps).
 areal_flow runs synchronously (max_staleness 0) and asynchronously (max_staleness 1). Each run is
 its own subprocess, one after the other. s/step is the mean wall time of steps 2..N (model loading
 and the first step are left out); samples/s = completions per step / s/step; ratio = areal_flow
@@ -34,148 +30,19 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-WORKER_ENV = "AREAL_FLOW_TRL_GRPO_WORKER"
+from common import main, markdown_table
+from grpo_loop import (FORMAT_WEIGHT, areal_flow_worker, gsm8k_rows, launch, problem_label,
+                       problems, recipe_prompt, steady, summarize, target_fraction, tiny_rows,
+                       worker_spec)
+
 INSTALL = ("python3 -m venv .venv-bench && . .venv-bench/bin/activate && "
            "pip install torch==2.13.0 && pip install -e '.[demo]' -c benchmarks/constraints.txt && "
            "pip install -r benchmarks/requirements.txt")
-
-TARGET = set(range(10, 60))  # the learnable reward of tests/test_learning.py
-FORMAT_WEIGHT = 0.5  # the recipe's default rlvr config
-
-
-def problems(quick: bool, tmp: Path) -> list[dict]:
-    from areal_flow.testing.tiny_model import build_tiny_model
-
-    out = [{"name": "tiny", "model": str(build_tiny_model(tmp / "tiny")), "prompts": 4,
-            "group": 4, "max_new_tokens": 16, "lr": 1e-2, "steps": 30, "rows": 50}]
-    if not quick:
-        from areal_flow.data.offline import packaged_smollm2
-
-        out.append({"name": "smollm2", "model": str(packaged_smollm2()), "prompts": 2,
-                    "group": 4, "max_new_tokens": 64, "lr": 2e-5, "steps": 3})
-    return out
-
-
-# -- the two problems' data and rewards, shared by both frameworks ---------------------------------
-
-
-def tiny_rows(n: int) -> list[dict]:
-    """Prompt ids as in tests/test_learning.py; TRL gets their text, which encodes back to them."""
-    return [{"id": i, "prompt_ids": [1, 20 + i % 7, 30, 2]} for i in range(n)]
-
-
-def target_fraction(ids) -> float:
-    return sum(t in TARGET for t in ids) / max(len(ids), 1)
-
-
-def gsm8k_rows(n: int) -> list[dict]:
-    from areal_flow.data.offline import gsm8k_offline_split
-
-    train, _, _ = gsm8k_offline_split(16)  # the recipe's default split
-    return train[:n]
-
-
-def recipe_prompt() -> str:
-    sys.path.insert(0, str(ROOT))
-    from areal_flow.gsm8k_rl import PROMPT
-
-    return PROMPT
-
-
-def steady(stamps: list[float]) -> list[float]:
-    """Step durations from end-of-step time stamps (stamps[0] = loop start), without step 1."""
-    return [b - a for a, b in zip(stamps[1:], stamps[2:])]
-
-
-# -- workers (each in its own process) -------------------------------------------------------------
-
-
-def areal_flow_worker(p: dict, eta: int) -> dict:
-    import torch
-
-    from areal_flow.algorithms.grpo import GRPO, GRPOConfig
-    from areal_flow.config import OptimizerConfig, PolicyLossConfig, RolloutConfig
-    from areal_flow.inference.local import LocalEngine
-    from areal_flow.reward.runner import RewardRunner
-    from areal_flow.rollout.scheduler import RolloutScheduler
-    from areal_flow.runtime.engine import TrainConfig, TrainEngine, shutdown_distributed
-    from areal_flow.types import SamplingParams, WorkflowSpec
-    from areal_flow.workflow.rlvr import RLVRConfig
-    from transformers import AutoTokenizer
-
-    torch.manual_seed(0)
-    started = time.perf_counter()
-    tiny = p["name"] == "tiny"
-    batch_rows = p["prompts"] * p["group"]
-    engine = LocalEngine(p["model"], dtype="float32", seed=0, max_batch_size=64)
-    trainer = TrainEngine(p["model"], TrainConfig(optim=OptimizerConfig(lr=p["lr"]), bf16=False))
-    # one optimizer step per batch: the version-based proximal logprobs are exact (the recipe's
-    # choice), so no forward pass recomputes them; TRL skips that forward in this setting too
-    algorithm = GRPO(GRPOConfig(loss=PolicyLossConfig(recompute_proximal=False)))
-    rewards = None
-    if tiny:
-        async def workflow_fn(ctx, sample):
-            out = await ctx.generate(sample["prompt_ids"])
-            return ctx.episode(sample["prompt_ids"], out, reward=target_fraction(out.token_ids))
-
-        async def unused(*args, **kwargs):
-            raise AssertionError
-
-        workflow, score, dataset, workflow_config = \
-            WorkflowSpec(name="bench.target_fraction", fn=workflow_fn), unused, \
-            tiny_rows(p["rows"]), None
-    else:
-        rewards = RewardRunner()
-        workflow, score, dataset = "rlvr", rewards.score, gsm8k_rows(p["prompts"] * p["steps"])
-        workflow_config = RLVRConfig(reward_kwargs={"format_weight": FORMAT_WEIGHT},
-                                     prompt_template=recipe_prompt())
-    scheduler = RolloutScheduler(
-        pool=engine, workflow=workflow, dataset=dataset,
-        tokenizer=AutoTokenizer.from_pretrained(p["model"]), score=score,
-        config=RolloutConfig(batch_size=p["prompts"], group_size=p["group"], max_staleness=eta,
-                             max_concurrent=batch_rows * (eta + 1)),
-        sampling=SamplingParams(max_new_tokens=p["max_new_tokens"], temperature=1.0,
-                                ignore_eos=tiny),
-        workflow_config=workflow_config, shuffle=False, seed=0)
-    loaded = time.perf_counter()
-    steps, stamps = [], []
-    try:
-        with scheduler:
-            stamps.append(time.perf_counter())
-            for step in range(p["steps"]):
-                began = time.perf_counter()
-                batch = scheduler.prepare_batch(timeout=600)
-                rolled = time.perf_counter()
-                trainer.train(batch, algorithm)
-                trained = time.perf_counter()
-                trainer.sync_weights(engine, step + 1)
-                scheduler.set_version(step + 1)
-                stamps.append(time.perf_counter())
-                completion = batch["loss_mask"].sum(-1)
-                lag = (batch["policy_version"][:, None] - batch["versions"])[batch["loss_mask"]]
-                steps.append({
-                    "reward": batch["rewards"].float().mean().item(),
-                    "rows": int(batch.batch_size[0]),
-                    "completion_tokens": int(completion.sum()),
-                    "prompt_tokens": int((batch["attention_mask"].sum(-1) - completion).sum()),
-                    "staleness": lag.float().mean().item(),
-                    "rollout_wait_s": rolled - began, "train_s": trained - rolled,
-                    "sync_s": stamps[-1] - trained})
-    finally:
-        engine.close()
-        if rewards is not None:
-            rewards.close()
-        shutdown_distributed()
-    assert all(s["rows"] == batch_rows for s in steps), steps
-    return {"load_s": loaded - started, "step_s": steady(stamps), "steps": steps,
-            "torch_threads": torch.get_num_threads()}
 
 
 def trl_worker(p: dict) -> dict:
@@ -270,51 +137,12 @@ def trl_worker(p: dict) -> dict:
 
 
 def worker(spec: dict) -> dict:
-    load = os.getloadavg()[0]
     if spec["framework"] == "trl":
-        out = trl_worker(spec["problem"])
-    else:
-        out = areal_flow_worker(spec["problem"], spec["eta"])
-    return {**out, "loadavg_1min_before": load, "loadavg_1min_after": os.getloadavg()[0]}
+        return trl_worker(spec["problem"])
+    return areal_flow_worker(spec["problem"], spec["eta"])
 
 
 # -- the benchmark ---------------------------------------------------------------------------------
-
-
-def launch(spec: dict, tmp: Path) -> dict:
-    out, log = tmp / f"{spec['key']}.json", tmp / f"{spec['key']}.log"
-    env = {**os.environ, WORKER_ENV: json.dumps({**spec, "out": str(out)}),
-           "TOKENIZERS_PARALLELISM": "false"}
-    started = time.perf_counter()
-    with log.open("w") as f:
-        done = subprocess.run([sys.executable, __file__], env=env, stdout=f,
-                              stderr=subprocess.STDOUT, cwd=ROOT)
-    if done.returncode != 0:
-        sys.stderr.write(log.read_text()[-6000:])
-        raise SystemExit(f"{spec['key']} failed (exit {done.returncode}); its log is above")
-    result = json.loads(out.read_text())
-    result["process_s"] = time.perf_counter() - started
-    print(f"  {spec['key']}: {result['process_s']:.0f} s", file=sys.stderr)
-    return result
-
-
-def summarize(problem: dict, framework: str, result: dict) -> dict:
-    steps = result["steps"]
-    k = max(1, min(5, problem["steps"] // 3))
-    rewards = [s["reward"] for s in steps]
-    mean_step = sum(result["step_s"]) / len(result["step_s"])
-    rows = problem["prompts"] * problem["group"]
-    return {
-        "model": problem["name"], "framework": framework, "s_per_step": mean_step,
-        "samples_per_s": rows / mean_step,
-        "completion_tokens_per_s": sum(s["completion_tokens"] for s in steps[1:])
-        / sum(result["step_s"]),
-        "reward_first": sum(rewards[:k]) / k, "reward_last": sum(rewards[-k:]) / k,
-        "reward_steps_averaged": k, "rewards": rewards, "step_s": result["step_s"],
-        "load_s": result["load_s"], "process_s": result["process_s"], "steps": steps,
-        "torch_threads": result["torch_threads"],
-        "loadavg_1min": [result["loadavg_1min_before"], result["loadavg_1min_after"]],
-    }
 
 
 def add_ratios(rows: list[dict]) -> list[dict]:
@@ -340,17 +168,15 @@ def run(quick: bool = False) -> dict:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        for problem in problems(quick, tmp):
+        for problem in problems(quick, tmp, smollm2_steps=3):
             runs = {"trl": {"framework": "trl"},
                     "areal_flow sync": {"framework": "areal_flow", "eta": 0},
                     "areal_flow async (eta=1)": {"framework": "areal_flow", "eta": 1}}
             results = {}
             for label, spec in runs.items():
                 key = f"{problem['name']}-{label.split(' (')[0].replace(' ', '-')}"
-                results[label] = summarize(problem, label,
-                                           launch({**spec, "key": key, "problem": problem}, tmp))
-            for r in results.values():
-                r["config"] = {k: v for k, v in problem.items() if k != "model"}
+                results[label] = summarize(
+                    problem, label, launch(__file__, {**spec, "key": key, "problem": problem}, tmp))
             rows += add_ratios(list(results.values()))
     return {"benchmark": "trl_grpo", "rows": rows,
             "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
@@ -363,24 +189,18 @@ def show(result: dict) -> None:
     print(f"GRPO end to end, areal_flow vs TRL {v['trl']} GRPOTrainer (torch {v['torch']}, "
           f"transformers {v['transformers']}, OMP_NUM_THREADS={result['omp_num_threads']}, "
           f"{result['cpus']} CPUs); s/step over steps 2..N\n")
-    print("| model | framework | s/step | samples/s | completion tok/s | reward first→last "
-          "| ratio vs TRL (samples/s) | ratio vs TRL (tok/s) |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in result["rows"]:
-        c = r["config"]
-        shape = f"{r['model']} ({c['prompts']}x{c['group']}x{c['max_new_tokens']}, " \
-                f"{c['steps']} steps)"
-        print(f"| {shape} | {r['framework']} | {r['s_per_step']:.2f} | {r['samples_per_s']:.2f} "
-              f"| {r['completion_tokens_per_s']:.1f} | {r['reward_first']:.3f}→"
-              f"{r['reward_last']:.3f} | {r['ratio_vs_trl']:.2f}x | "
-              f"{r['token_ratio_vs_trl']:.2f}x |")
+    print(markdown_table(
+        ["model", "framework", "s/step", "samples/s", "completion tok/s", "reward first→last",
+         "ratio vs TRL (samples/s)", "ratio vs TRL (tok/s)"],
+        [[problem_label(r), r["framework"],
+          f"{r['s_per_step']:.2f}", f"{r['samples_per_s']:.2f}",
+          f"{r['completion_tokens_per_s']:.1f}",
+          f"{r['reward_first']:.3f}→{r['reward_last']:.3f}", f"{r['ratio_vs_trl']:.2f}x",
+          f"{r['token_ratio_vs_trl']:.2f}x"] for r in result["rows"]]))
 
 
 if __name__ == "__main__":
-    if WORKER_ENV in os.environ:
-        spec = json.loads(os.environ[WORKER_ENV])
+    if (spec := worker_spec()) is not None:
         Path(spec["out"]).write_text(json.dumps(worker(spec)))
     else:
-        from common import main
-
         main(__doc__, run, show, "trl_grpo")

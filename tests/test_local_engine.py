@@ -203,7 +203,8 @@ def test_interrupted_generations_continue_under_the_new_weights(tiny_model_dir):
     engine.on_step = hook
     try:
         reqs, outs = asyncio.run(main())
-        assert engine.stats()["interruptions"] == len(reqs)
+        stats = engine.stats()
+        assert stats["interruptions"] == len(reqs)
     finally:
         engine.close()
     assert engine.version == 1
@@ -217,6 +218,9 @@ def test_interrupted_generations_continue_under_the_new_weights(tiny_model_dir):
         expected = torch.cat([forward_logprobs(w0, req.input_ids, before, 1.0),
                               forward_logprobs(w1, [*req.input_ids, *before], after, 1.0)])
         torch.testing.assert_close(torch.tensor(out.logprobs), expected, atol=1e-4, rtol=1e-4)
+    # the interruption's cost: each context (prompt + tokens under w0) is prefilled once more
+    assert stats["reprefill_tokens"] == sum(len(r.input_ids) + o.versions.index(1)
+                                            for r, o in zip(reqs, outs))
 
 
 def test_weights_load_from_a_state_dict_or_a_folder(tiny_model_dir, tmp_path):

@@ -215,6 +215,7 @@ class LocalEngine:
         return {
             "generated_tokens": delta["generated"],
             "prefill_tokens": delta["prefilled"],
+            "reprefill_tokens": delta["reprefilled"],
             "tokens_per_s": delta["generated"] / max(now - then, 1e-9),
             "finished": delta["finished"],
             "interruptions": delta["interruptions"],
@@ -302,6 +303,8 @@ class LocalEngine:
             logits_to_keep=1,  # only the last position samples; skip the vocab matmul elsewhere
         )
         self._totals.prefilled += sum(map(len, contexts))
+        # a sequence with tokens already was interrupted: its whole context is prefilled again
+        self._totals.reprefilled += sum(len(c) for c, s in zip(contexts, admitted) if s.tokens)
         self._merge(out.past_key_values, mask, admitted)
         self._sample_and_advance(out.logits[:, -1], first_row=len(self._running) - len(admitted))
 
@@ -433,6 +436,7 @@ class _Counters:
     submitted: int = 0
     generated: int = 0
     prefilled: int = 0
+    reprefilled: int = 0
     finished: int = 0
     interruptions: int = 0
 
