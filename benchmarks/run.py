@@ -99,6 +99,10 @@ def main() -> None:
     out_dir = HERE / "results" / ("quick" if args.quick else "")
     out_dir.mkdir(parents=True, exist_ok=True)
     names = [n for n in args.only if not (args.skip_trl and n == "trl_grpo")]
+    load = os.getloadavg()[0]
+    if load > 0.5:  # with 2 OpenMP threads per process, a busy core can slow a run 10x or more
+        print(f"warning: load average {load:.1f} before starting; numbers from a busy machine "
+              f"are not comparable", file=sys.stderr)
     started = time.perf_counter()
     runs = [run_module(n, bench_python() if n == "trl_grpo" else sys.executable, args.quick,
                        out_dir) for n in names]
@@ -106,7 +110,8 @@ def main() -> None:
     command = "python benchmarks/run.py " + " ".join(sys.argv[1:])
     report = [f"# Benchmarks ({'quick' if args.quick else 'full'})", "",
               f"`{command.strip()}` on {time.strftime('%Y-%m-%d')}: {machine()}; "
-              f"{total / 60:.1f} min in all.", ""]
+              f"1-min load average {load:.2f} before, {os.getloadavg()[0]:.2f} after "
+              f"(the runs' own); {total / 60:.1f} min in all.", ""]
     for r in runs:
         status = "" if r["exit"] == 0 else f" — FAILED (exit {r['exit']})"
         report += [f"## {r['name']} ({r['seconds']:.0f} s){status}", "", r["table"].strip(), ""]

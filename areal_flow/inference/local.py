@@ -457,14 +457,15 @@ def sample(
     tokens = logits.argmax(dim=-1)
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if sampled:
-        filtered = scaled[sampled]
+        probs = logprobs[sampled].exp()  # softmax(logits / T) already, for untruncated rows
         # truncation sorts the whole vocabulary: only for rows that ask for it
         cut = [row for row, i in enumerate(sampled) if _truncates(params[i])]
         if cut:
-            filtered[cut] = truncate(filtered[cut], [params[sampled[row]] for row in cut])
-        probs = torch.softmax(filtered, dim=-1)
+            kept = truncate(scaled[sampled][cut], [params[sampled[row]] for row in cut])
+            probs[cut] = torch.softmax(kept, dim=-1)
+        probs = probs.cpu()  # the generators are CPU generators
         for row, i in enumerate(sampled):
-            tokens[i] = torch.multinomial(probs[row].cpu(), 1, generator=generators[i]).item()
+            tokens[i] = torch.multinomial(probs[row], 1, generator=generators[i]).item()
     return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
 
 

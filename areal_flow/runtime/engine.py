@@ -363,10 +363,13 @@ class TrainEngine:
                 payload = [("error", repr(error))]
             else:
                 payload = [("ok", _partition(batch, self.world_size))]
-        dist.broadcast_object_list(payload, src=0)  # small: row indices, or the error
+        if self.world_size > 1:
+            dist.broadcast_object_list(payload, src=0)  # small: row indices, or the error
         status, owned = payload[0]
         if status == "error":
             raise RuntimeError(f"rank 0 failed before training: {owned}")
+        if self.world_size == 1:  # skip pickling the batch through an object collective
+            return batch[torch.tensor(owned[0], dtype=torch.long)], owned
         shards = [batch[torch.tensor(rows, dtype=torch.long)] for rows in owned] \
             if self.rank == 0 else None
         received = [None]
@@ -374,6 +377,8 @@ class TrainEngine:
         return received[0], owned
 
     def _advantages_on_rank0(self, shard: TensorDict, owned: list, algorithm) -> TensorDict:
+        if self.world_size == 1:
+            return algorithm.advantages(shard)
         gathered = [None] * self.world_size if self.rank == 0 else None
         dist.gather_object(shard, gathered, dst=0)
         shards = None
