@@ -48,6 +48,10 @@ def run(quick: bool = False) -> dict:
                     mean_staleness=sum(s["staleness"] for s in steps) / len(steps),
                     max_staleness=max(s["max_staleness"] for s in steps),
                     sync_s_per_step=sum(s["sync_s"] for s in steps) / len(steps))
+                # what the design promises, checked on every run: the staleness limit holds
+                # for every trained token, and nothing is trained that was not generated
+                assert row["max_staleness"] <= eta, row["max_staleness"]
+                assert row["generated_tokens"] >= row["trained_tokens"], row
                 base = base or row
                 row["speedup_vs_sync"] = base["wall_s"] / row["wall_s"]
                 rows.append(row)

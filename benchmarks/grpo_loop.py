@@ -31,12 +31,13 @@ def problems(quick: bool, tmp: Path, smollm2_steps: int) -> list[dict]:
     from areal_flow.testing.tiny_model import build_tiny_model
 
     out = [{"name": "tiny", "model": str(build_tiny_model(tmp / "tiny")), "prompts": 4,
-            "group": 4, "max_new_tokens": 16, "lr": 1e-2, "steps": 30, "rows": 50}]
+            "group": 4, "max_new_tokens": 16, "lr": 1e-2, "steps": 30, "rows": 50, "seed": 0}]
     if not quick:
         from areal_flow.data.offline import packaged_smollm2
 
         out.append({"name": "smollm2", "model": str(packaged_smollm2()), "prompts": 2,
-                    "group": 4, "max_new_tokens": 64, "lr": 2e-5, "steps": smollm2_steps})
+                    "group": 4, "max_new_tokens": 64, "lr": 2e-5, "steps": smollm2_steps,
+                    "seed": 0})
     return out
 
 
@@ -80,11 +81,11 @@ def areal_flow_worker(p: dict, eta: int) -> dict:
     from areal_flow.types import SamplingParams, WorkflowSpec
     from areal_flow.workflow.rlvr import RLVRConfig
 
-    torch.manual_seed(0)
+    torch.manual_seed(p["seed"])
     started = time.perf_counter()
     tiny = p["name"] == "tiny"
     batch_rows = p["prompts"] * p["group"]
-    engine = LocalEngine(p["model"], dtype="float32", seed=0, max_batch_size=64)
+    engine = LocalEngine(p["model"], dtype="float32", seed=p["seed"], max_batch_size=64)
     trainer = TrainEngine(p["model"], TrainConfig(optim=OptimizerConfig(lr=p["lr"]), bf16=False))
     # one optimizer step per batch: the version-based proximal logprobs are exact (the recipe's
     # choice), so no forward pass recomputes them; TRL skips that forward in this setting too
@@ -113,7 +114,7 @@ def areal_flow_worker(p: dict, eta: int) -> dict:
                              max_concurrent=batch_rows * (eta + 1)),
         sampling=SamplingParams(max_new_tokens=p["max_new_tokens"], temperature=1.0,
                                 ignore_eos=tiny),
-        workflow_config=workflow_config, shuffle=False, seed=0)
+        workflow_config=workflow_config, shuffle=False, seed=p["seed"])
     loaded = time.perf_counter()
     steps, stamps = [], []
     engine.stats()  # count from here: nothing is generated before the scheduler starts

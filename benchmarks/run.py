@@ -5,7 +5,8 @@
 Each module runs in its own process exactly as it runs alone (`python benchmarks/NAME.py
 [--quick] --out DIR/NAME.json`); its printed table goes into DIR/summary.md, under a header with
 the machine and the command, and the reward curves of the end-to-end runs into DIR/rewards.png.
-DIR is benchmarks/results (full) or benchmarks/results/quick (--quick: the tiny model only).
+DIR is benchmarks/results (full) or benchmarks/results/quick (--quick: the tiny model only), or
+--results DIR.
 TRL runs in its own venv, .venv-bench, which is built here on first use (~3 min; the command is
 in trl_grpo.py); --skip-trl leaves it out. OMP_NUM_THREADS defaults to the number of CPUs.
 """
@@ -94,9 +95,11 @@ def main() -> None:
     parser.add_argument("--only", nargs="+", choices=MODULES, default=MODULES, metavar="NAME",
                         help=f"run only these: {', '.join(MODULES)}")
     parser.add_argument("--skip-trl", action="store_true", help="leave out the TRL comparison")
+    parser.add_argument("--results", type=Path, metavar="DIR",
+                        help="where to write (default benchmarks/results[/quick])")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count()))
-    out_dir = HERE / "results" / ("quick" if args.quick else "")
+    out_dir = (args.results or HERE / "results" / ("quick" if args.quick else "")).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     names = [n for n in args.only if not (args.skip_trl and n == "trl_grpo")]
     load = os.getloadavg()[0]
@@ -117,12 +120,12 @@ def main() -> None:
         report += [f"## {r['name']} ({r['seconds']:.0f} s){status}", "", r["table"].strip(), ""]
     png = plot_rewards(out_dir)
     if png is not None:
-        report += [f"Reward curves: `{png.relative_to(ROOT)}`.", ""]
+        report += [f"Reward curves: `{png.name}` beside this file.", ""]
     (out_dir / "summary.md").write_text("\n".join(report))
     (out_dir / "run.json").write_text(json.dumps(
         {"command": command, "total_s": total,
          "modules": [{k: v for k, v in r.items() if k != "table"} for r in runs]}, indent=2))
-    print(f"\nreport: {(out_dir / 'summary.md').relative_to(ROOT)}", file=sys.stderr)
+    print(f"\nreport: {out_dir / 'summary.md'}", file=sys.stderr)
     if any(r["exit"] for r in runs):
         sys.exit(f"failed: {', '.join(r['name'] for r in runs if r['exit'])}")
 

@@ -51,7 +51,7 @@ def trl_worker(p: dict) -> dict:
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    torch.manual_seed(0)
+    torch.manual_seed(p["seed"])
     started = time.perf_counter()
     tiny = p["name"] == "tiny"
     tokenizer = AutoTokenizer.from_pretrained(p["model"])
@@ -111,7 +111,7 @@ def trl_worker(p: dict) -> dict:
     batch_rows = p["prompts"] * p["group"]
     with tempfile.TemporaryDirectory() as out_dir:
         config = GRPOConfig(
-            output_dir=out_dir, max_steps=p["steps"], seed=0, use_cpu=True,
+            output_dir=out_dir, max_steps=p["steps"], seed=p["seed"], use_cpu=True,
             per_device_train_batch_size=batch_rows, gradient_accumulation_steps=1,
             steps_per_generation=1, num_iterations=1, num_generations=p["group"],
             max_completion_length=p["max_new_tokens"], temperature=1.0, top_p=1.0, top_k=0,
