@@ -118,12 +118,16 @@ class TrainEngine:
         if config.activation_checkpointing:
             (module.backbone if value else module).activation_checkpointing_enable()
         module.to(self.device)
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-            if config.bf16 else MixedPrecisionPolicy()
-        layer_types = set(module._no_split_modules or ())
-        for layer in [m for m in module.modules() if type(m).__name__ in layer_types]:
-            fully_shard(layer, mp_policy=policy)
-        fully_shard(module, mp_policy=policy)
+        # In a one-process fp32 world FSDP2 has nothing to shard and only copies every parameter
+        # and gradient through its collective buffers (0.6x the speed of the bare model,
+        # benchmarks/README.md); in bf16 its mixed-precision policy does the casting, so it stays.
+        if self.world_size > 1 or config.bf16:
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+                if config.bf16 else MixedPrecisionPolicy()
+            layer_types = set(module._no_split_modules or ())
+            for layer in [m for m in module.modules() if type(m).__name__ in layer_types]:
+                fully_shard(layer, mp_policy=policy)
+            fully_shard(module, mp_policy=policy)
         self.model = module
         self.optimizer = self.scheduler = None
         if trainable:
@@ -267,8 +271,8 @@ class TrainEngine:
                 for name, p in self.model.named_parameters() if p.grad is not None}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Unsharded parameters on CPU (every rank must call; all get them)."""
-        return {name: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu()
+        """Unsharded parameters on CPU, copies (every rank must call; all get them)."""
+        return {name: (t.full_tensor() if hasattr(t, "full_tensor") else t.clone()).detach().cpu()
                 for name, t in self.model.state_dict().items()}
 
     # -- weight sync --------------------------------------------------------------------
