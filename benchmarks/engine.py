@@ -18,6 +18,7 @@ import random
 import statistics
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -92,6 +93,15 @@ def run_hf(path: Path, dtype: str, jobs, batched: bool, repeats: int) -> float:
     return statistics.median(once() for _ in range(repeats))
 
 
+def in_own_thread(fn, *args, **kwargs):
+    """Run `fn` on a thread that ends with it. OpenMP (torch's libgomp) throttles the spinning
+    of every thread team while more team threads exist than CPUs, and a thread's team lives as
+    long as the thread: one left on the main thread by building a model or by `generate` slowed
+    the engine's decoding in the next measurement 1.8x (bf16, 2 CPUs)."""
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(fn, *args, **kwargs).result()
+
+
 def run(quick: bool = False) -> dict:
     torch.manual_seed(0)
     n = 16
@@ -99,16 +109,18 @@ def run(quick: bool = False) -> dict:
     useful = sum(m for _, m in jobs)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        models = {"tiny": build_tiny_model(Path(tmp) / "tiny")}
+        models = {"tiny": in_own_thread(build_tiny_model, Path(tmp) / "tiny")}
         if not quick:
-            models["smollm2-135m-shape"] = smollm2_sized(Path(tmp) / "smol")
+            models["smollm2-135m-shape"] = in_own_thread(smollm2_sized, Path(tmp) / "smol")
         for model_name, path in models.items():
             for dtype in ("float32", "bfloat16"):
                 repeats = 5 if model_name == "tiny" else 1  # tiny runs last ~0.1 s: take a median
                 times = {
-                    "engine": run_engine(path, dtype, jobs, repeats),
-                    "hf_batched": run_hf(path, dtype, jobs, batched=True, repeats=repeats),
-                    "hf_serial": run_hf(path, dtype, jobs, batched=False, repeats=repeats),
+                    "engine": in_own_thread(run_engine, path, dtype, jobs, repeats),
+                    "hf_batched": in_own_thread(run_hf, path, dtype, jobs, batched=True,
+                                                repeats=repeats),
+                    "hf_serial": in_own_thread(run_hf, path, dtype, jobs, batched=False,
+                                               repeats=repeats),
                 }
                 for method, seconds in times.items():
                     rows.append({
