@@ -7,8 +7,8 @@ Each module runs in its own process exactly as it runs alone (`python benchmarks
 the machine and the command, and the reward curves of the end-to-end runs into DIR/rewards.png.
 DIR is benchmarks/results (full) or benchmarks/results/quick (--quick: the tiny model only), or
 --results DIR.
-TRL runs in its own venv, .venv-bench, which is built here on first use (~3 min; the command is
-in trl_grpo.py); --skip-trl leaves it out. OMP_NUM_THREADS defaults to the number of CPUs.
+TRL runs in its own venv, .venv-bench, built here on first use (~1 min; the command is in
+trl_grpo.py); --skip-trl leaves it out. OMP_NUM_THREADS defaults to the number of CPUs.
 """
 
 from __future__ import annotations
