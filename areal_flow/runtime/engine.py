@@ -121,7 +121,8 @@ class TrainEngine:
         # In a one-process fp32 world FSDP2 has nothing to shard and only copies every parameter
         # and gradient through its collective buffers (0.6x the speed of the bare model,
         # benchmarks/README.md); in bf16 its mixed-precision policy does the casting, so it stays.
-        if self.world_size > 1 or config.bf16:
+        self.sharded = self.world_size > 1 or config.bf16
+        if self.sharded:
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
                 if config.bf16 else MixedPrecisionPolicy()
             layer_types = set(module._no_split_modules or ())
@@ -271,8 +272,13 @@ class TrainEngine:
                 for name, p in self.model.named_parameters() if p.grad is not None}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Unsharded parameters on CPU, copies (every rank must call; all get them)."""
-        return {name: (t.full_tensor() if hasattr(t, "full_tensor") else t.clone()).detach().cpu()
+        """Unsharded parameters on CPU, as copies (every rank must call; all get them)."""
+        state = self._unsharded_state()
+        return state if self.sharded else {name: t.clone() for name, t in state.items()}
+
+    def _unsharded_state(self) -> dict[str, torch.Tensor]:
+        # unwrapped on CPU, these are the live weights: for consumers that copy them at once
+        return {name: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu()
                 for name, t in self.model.state_dict().items()}
 
     # -- weight sync --------------------------------------------------------------------
@@ -288,7 +294,8 @@ class TrainEngine:
         import time
 
         start = time.perf_counter()
-        state = self.full_state_dict()
+        # every consumer below copies or writes the tensors before training goes on
+        state = self._unsharded_state()
         gathered = time.perf_counter()
         if self.rank == 0:
             if group is not None:
