@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-import torch
 import torch.distributed as dist
 from attrs import validators as v
 
@@ -170,20 +169,6 @@ class RunDir:
         with open(self.path / name, "a") as f:
             for record in records:
                 f.write(json.dumps(record, default=float) + "\n")
-
-
-def same_on_all_ranks(value: Any) -> Any:
-    """Rank 0's value everywhere (a default run folder's time stamp, the converted model)."""
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def any_rank(flag: bool) -> bool:
-    """True on every rank if it is true on one (a stop request arrives at one process)."""
-    t = torch.tensor([float(flag)])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
 
 
 class StopRequest:

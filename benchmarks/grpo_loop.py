@@ -77,7 +77,8 @@ def areal_flow_worker(p: dict, eta: int) -> dict:
     from areal_flow.inference.local import LocalEngine
     from areal_flow.reward.runner import RewardRunner
     from areal_flow.rollout.scheduler import RolloutScheduler
-    from areal_flow.runtime.engine import TrainConfig, TrainEngine, shutdown_distributed
+    from areal_flow.runtime.distributed import shutdown_distributed
+    from areal_flow.runtime.engine import TrainConfig, TrainEngine
     from areal_flow.types import SamplingParams, WorkflowSpec
     from areal_flow.workflow.rlvr import RLVRConfig
 

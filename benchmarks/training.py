@@ -20,7 +20,8 @@ from transformers import AutoModelForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the fixed batch
 
 from areal_flow.config import OptimizerConfig  # noqa: E402
-from areal_flow.runtime.engine import TrainConfig, TrainEngine, shutdown_distributed  # noqa: E402
+from areal_flow.runtime.distributed import shutdown_distributed  # noqa: E402
+from areal_flow.runtime.engine import TrainConfig, TrainEngine  # noqa: E402
 from areal_flow.testing.tiny_model import build_tiny_model  # noqa: E402
 from benchmarks.engine import smollm2_sized  # noqa: E402
 from common import main, markdown_table  # noqa: E402

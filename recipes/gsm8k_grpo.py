@@ -24,16 +24,20 @@ from areal_flow.config import PolicyLossConfig
 from areal_flow.data import offline
 from areal_flow.reward.runner import RewardRunner
 from areal_flow.rollout.scheduler import RolloutScheduler
-from areal_flow.run import LiveDisplay, RunDir, StopRequest, any_rank, same_on_all_ranks
-from areal_flow.runtime.engine import TrainEngine, init_distributed, shutdown_distributed
+from areal_flow.run import LiveDisplay, RunDir, StopRequest
+from areal_flow.runtime.distributed import (any_rank, init_distributed, same_on_all_ranks,
+                                            shutdown_distributed)
+from areal_flow.runtime.engine import TrainEngine
 
 
 @attrs.frozen(kw_only=True)
 class Config(gsm8k_rl.RLConfig):
     """GRPO on GSM8K. Defaults run offline on a CPU in about 20 minutes."""
 
-    # one optimizer step per batch makes the version-based proximal logprobs exact, so the
-    # forward pass that would recompute them is skipped
+    # Skip the forward pass that recomputes pi_prox. With one optimizer step per batch, stale
+    # tokens get pi_prox = pi_theta before the step (exact); tokens of the current version get
+    # the engine's behavior logprobs (the same weights, but computed by the bf16 engine, so the
+    # ratio carries that rounding and may clip). Approximate with --train.ppo-minibatches > 1.
     algorithm: GRPOConfig = GRPOConfig(loss=PolicyLossConfig(recompute_proximal=False))
 
 

@@ -25,9 +25,10 @@ from areal_flow.config import OptimizerConfig, PolicyLossConfig, RolloutConfig
 from areal_flow.data import offline
 from areal_flow.reward.runner import RewardRunner
 from areal_flow.rollout.scheduler import RolloutScheduler
-from areal_flow.run import LiveDisplay, RunDir, StopRequest, any_rank, same_on_all_ranks
-from areal_flow.runtime.engine import (TrainConfig, TrainEngine, init_distributed,
-                                       shutdown_distributed)
+from areal_flow.run import LiveDisplay, RunDir, StopRequest
+from areal_flow.runtime.distributed import (any_rank, init_distributed, same_on_all_ranks,
+                                            shutdown_distributed)
+from areal_flow.runtime.engine import TrainConfig, TrainEngine
 
 
 @attrs.frozen(kw_only=True)
@@ -37,8 +38,10 @@ class Config(gsm8k_rl.RLConfig):
     # PPO needs no groups: 16 independent completions per step, like GRPO's 2 x 8
     rollout: RolloutConfig = RolloutConfig(batch_size=16, group_size=1, max_staleness=1,
                                            max_concurrent=32)
-    # one optimizer step per batch makes the version-based proximal logprobs exact, so the
-    # forward pass that would recompute them is skipped
+    # Skip the forward pass that recomputes pi_prox. With one optimizer step per batch, stale
+    # tokens get pi_prox = pi_theta before the step (exact); tokens of the current version get
+    # the engine's behavior logprobs (the same weights, but computed by the bf16 engine, so the
+    # ratio carries that rounding and may clip). Approximate with --train.ppo-minibatches > 1.
     algorithm: PPOConfig = PPOConfig(loss=PolicyLossConfig(recompute_proximal=False))
     critic: TrainConfig = TrainConfig(optim=OptimizerConfig(lr=5e-5), bf16=True)
     """The critic's training settings (a value head on the policy's backbone)."""

@@ -26,9 +26,10 @@ from areal_flow.algorithms.sft import SFT, SFTConfig
 from areal_flow.config import OptimizerConfig
 from areal_flow.data import offline
 from areal_flow.data.sft import collate_sft
-from areal_flow.run import LiveDisplay, RunConfig, RunDir, StopRequest, any_rank, same_on_all_ranks
-from areal_flow.runtime.engine import (TrainConfig, TrainEngine, init_distributed,
-                                       shutdown_distributed)
+from areal_flow.run import LiveDisplay, RunConfig, RunDir, StopRequest
+from areal_flow.runtime.distributed import (any_rank, init_distributed, same_on_all_ranks,
+                                            shutdown_distributed)
+from areal_flow.runtime.engine import TrainConfig, TrainEngine
 
 
 @attrs.frozen(kw_only=True)

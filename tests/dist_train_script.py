@@ -9,7 +9,8 @@ import torch
 from tensordict import TensorDict
 
 from areal_flow.config import OptimizerConfig
-from areal_flow.runtime.engine import TrainConfig, TrainEngine, shutdown_distributed
+from areal_flow.runtime.distributed import shutdown_distributed
+from areal_flow.runtime.engine import TrainConfig, TrainEngine
 from areal_flow.types import LossOutput
 
 
@@ -57,14 +58,87 @@ class WrongMicroBatchMean(TokenNLL):
                           unit="sequences")
 
 
-LOSSES = {"token": TokenNLL, "sequence": SequenceNLL, "wrong": WrongMicroBatchMean}
+LOSSES = {"token": TokenNLL, "sequence": SequenceNLL, "wrong": WrongMicroBatchMean,
+          "minibatches": TokenNLL}
+MINIBATCHES = {"minibatches": 3, "checked": 2}
+"""Optimizer steps per batch where not 1 (mini-batches must not depend on the world size)."""
+
+COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce",
+               "reduce_scatter", "reduce_scatter_tensor", "scatter", "gather", "all_to_all",
+               "all_to_all_single", "send", "recv", "isend", "irecv")
+
+
+def record_collective_devices(served: set[str]) -> dict:
+    """Wrap torch's tensor collectives (object collectives and FSDP2 go through them too) to
+    count the device types they receive and list those the group's backend would not serve."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    seen: dict = {"calls": {}, "violations": []}
+
+    def tensors(value):
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                yield from tensors(item)
+
+    def wrap(name, fn):
+        def checked(*args, **kwargs):
+            for t in tensors([*args, *kwargs.values()]):
+                seen["calls"][t.device.type] = seen["calls"].get(t.device.type, 0) + 1
+                if t.device.type not in served:
+                    seen["violations"].append(f"{name} got a {t.device.type} tensor")
+            return fn(*args, **kwargs)
+        return checked
+
+    for name in COLLECTIVES:
+        checked = wrap(name, getattr(c10d, name))
+        setattr(c10d, name, checked)
+        setattr(dist, name, checked)
+    return seen
+
+
+class MemoryPool:
+    """Stands in for the local engine on rank 0: takes the synced weights."""
+
+    in_process = True
+
+    def update_weights(self, update):
+        self.version = update.version
+
+
+def run_every_collective(engine, batch, out_file: str) -> None:
+    """One pass through every collective path of the runtime and the run helpers."""
+    from pathlib import Path
+
+    from areal_flow.runtime.distributed import any_rank, same_on_all_ranks
+
+    folder = same_on_all_ranks(str(Path(out_file).parent / "checked") if engine.rank == 0 else None)
+    engine.train(batch, TokenNLL())
+    engine.sync_weights(MemoryPool() if engine.rank == 0 else None, 1)
+    any_rank(engine.rank == 1)
+    Path(folder).mkdir(exist_ok=True)
+    engine.save_checkpoint(folder)
+    engine.load_checkpoint(folder)
+    engine.save_hf(Path(folder) / "hf")
 
 if __name__ == "__main__":
     model_dir, out_file, kind, mb_tokens = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     torch.manual_seed(0)
-    config = TrainConfig(optim=OptimizerConfig(lr=1e-2), max_tokens_per_mb=mb_tokens)
+    config = TrainConfig(optim=OptimizerConfig(lr=1e-2), max_tokens_per_mb=mb_tokens,
+                         ppo_minibatches=MINIBATCHES.get(kind, 1))
+    if kind == "checked":  # on a GPU machine, would every collective's tensor be served?
+        from areal_flow.runtime.distributed import backend_for, served_device_types
+
+        seen = record_collective_devices(served_device_types(backend_for("cuda")))
     engine = TrainEngine(model_dir, config)
     batch = fixed_batch(engine.model.config.vocab_size) if engine.rank == 0 else None
+    if kind == "checked":
+        run_every_collective(engine, batch, out_file)
+        torch.save(seen, f"{out_file}.{engine.rank}")
+        shutdown_distributed()
+        sys.exit(0)
     if kind == "fail":  # rank 0's rollout broke: every rank must stop, none may hang
         engine.train(RuntimeError("the rollout broke") if engine.rank == 0 else None, TokenNLL())
     algorithm = LOSSES[kind]()

@@ -25,14 +25,15 @@ def test_micro_batches_cover_every_row_once_within_the_budget(lengths, budget):
         assert len(b) == 1 or padded_cost(lengths, b) <= budget
 
 
-@given(st.lists(st.integers(1, 300), min_size=1, max_size=40), st.integers(1, 1000),
-       st.integers(1, 50))
-def test_splitting_to_a_count_keeps_rows_and_only_adds_bins(lengths, budget, count):
+@given(st.lists(st.integers(1, 300), min_size=1, max_size=40), st.integers(1, 1000), st.data())
+def test_splitting_to_a_count_keeps_rows_and_only_adds_bins(lengths, budget, data):
     bins = micro_batches(lengths, budget)
+    count = data.draw(st.integers(1, len(bins) + len(lengths)))
     split = split_to_count(bins, lengths, count)
     assert sorted(r for b in split for r in b) == list(range(len(lengths)))
-    assert len(split) >= min(count, len(lengths)) or len(split) >= len(bins)
-    assert len(split) <= max(count, len(bins))
+    # split until `count` is reached or every micro-batch is a single row; never merged
+    assert len(split) == max(len(bins), min(count, len(lengths)))
+    assert all(any(set(b) <= set(old) for old in bins) for b in split)
 
 
 @given(st.lists(st.integers(1, 500), max_size=30), st.integers(1, 4))
@@ -74,13 +75,14 @@ def equivalence_runs(tiny_model_dir, tmp_path_factory):
         "token_1rank": (1, "token", big), "token_2ranks": (2, "token", small),
         "sequence_1rank": (1, "sequence", big), "sequence_2ranks": (2, "sequence", small),
         "wrong_1rank": (1, "wrong", big), "wrong_2ranks": (2, "wrong", small),
+        "minibatches_1rank": (1, "minibatches", big), "minibatches_2ranks": (2, "minibatches", small),
     })
 
 
 GRAD_TOL, PARAM_TOL = 1e-6, 2e-4
 
 
-@pytest.mark.parametrize("kind", ["token", "sequence"])
+@pytest.mark.parametrize("kind", ["token", "sequence", "minibatches"])
 def test_one_rank_equals_two_ranks_with_other_micro_batches(equivalence_runs, kind):
     one, two = equivalence_runs[f"{kind}_1rank"], equivalence_runs[f"{kind}_2ranks"]
     assert max_diff(one["grads"], two["grads"]) < GRAD_TOL
@@ -111,3 +113,22 @@ def test_a_failure_on_rank_zero_stops_every_rank(tiny_model_dir, tmp_path):
     assert proc.returncode != 0
     # both ranks report rank 0's error rather than one of them waiting for a batch forever
     assert (proc.stdout + proc.stderr).count("rank 0 failed before training") >= 2
+
+
+def test_every_collective_gets_a_tensor_its_backend_serves_on_a_gpu_machine(tiny_model_dir,
+                                                                           tmp_path):
+    """Two ranks train (two mini-batches), sync weights, vote on a stop, checkpoint and reload,
+    with every tensor collective checked against the backend a CUDA machine's group would get:
+    an NCCL-only group would reject the CPU tensors (loss totals, flags, pickled objects)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = tmp_path / "seen.pt"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", "29650", str(SCRIPT), str(tiny_model_dir), str(out), "checked", "120"],
+        env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for rank in (0, 1):
+        seen = torch.load(f"{out}.{rank}")
+        assert seen["violations"] == [], seen["violations"][:5]
+        # the check saw the CPU-side traffic (counts, totals, object collectives), not nothing
+        assert seen["calls"].get("cpu", 0) >= 20, seen["calls"]

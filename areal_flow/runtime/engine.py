@@ -13,8 +13,7 @@ averages gradients over ranks). The update therefore does not depend on how the 
 from __future__ import annotations
 
 import math
-import os
-import socket
+import warnings
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoModel, AutoModelForCausalLM, get_constant_schedule_with_warmup
 
 from areal_flow.config import OptimizerConfig
+from areal_flow.runtime.distributed import init_distributed
 from areal_flow.runtime.microbatch import assign_groups, micro_batches, split_to_count
 from areal_flow.types import Algorithm, ModelOutput, WeightUpdate
 
@@ -49,33 +49,9 @@ class TrainConfig:
     """bf16 compute with fp32 master weights and fp32 gradient reduction."""
     activation_checkpointing: bool = False
     """Recompute decoder-layer activations in backward to save memory."""
-
-
-def init_distributed() -> tuple[int, int, torch.device]:
-    """Join the process group torchrun describes, or make a one-process world."""
-    if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if "WORLD_SIZE" in os.environ:
-            dist.init_process_group(backend)
-        else:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}",
-                                    rank=0, world_size=1)
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    return dist.get_rank(), dist.get_world_size(), device
-
-
-def shutdown_distributed() -> None:
-    """Barrier, then destroy the group: exiting without it sometimes aborts at exit."""
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    skip_nonfinite: bool = False
+    """Skip an optimizer step whose loss or gradient norm is NaN/inf (with a warning; counted in
+    `skipped_step`) instead of stopping the run with an error naming the step."""
 
 
 class ValueModel(torch.nn.Module):
@@ -196,6 +172,9 @@ class TrainEngine:
             raise ValueError(f"{type(algorithm).__name__} needs a model for the role(s) "
                              f"{missing}: pass train(..., ref=TrainEngine(path, config, "
                              "trainable=False)) / critic=TrainEngine(path, config, value=True)")
+        if isinstance(batch, TensorDict):
+            batch = batch.clone(recurse=False)  # a shallow copy: the caller's batch keeps its keys
+            batch["minibatch"] = _minibatch_of_rows(batch["group_ids"], self.config.ppo_minibatches)
         shard, owned = self._scatter(batch)
         outputs = {"actor": ("prox_logprobs", "logprobs"), "ref": ("ref_logprobs", "logprobs"),
                    "critic": ("values", "values")}
@@ -205,7 +184,7 @@ class TrainEngine:
         shard = self._advantages_on_rank0(shard, owned, algorithm)
 
         stats: dict[str, list[float]] = defaultdict(list)
-        minis = _split_groups(shard, self.config.ppo_minibatches)
+        minis = [shard[shard["minibatch"] == k] for k in range(self.config.ppo_minibatches)]
         for k, mini in enumerate(minis):
             # how far the weights have moved from pi_prox, for version-based approximations
             mini["minibatch_progress"] = torch.full((mini.batch_size[0],), k / len(minis))
@@ -220,7 +199,7 @@ class TrainEngine:
         """One optimizer step over `mini` (this rank's rows)."""
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = summed = peak = 0.0
-        constant = False
+        units: set[str] = set()
         sums: dict[str, float] = defaultdict(float)
         count = 0
         for mb_rows in self._plan(mini):
@@ -233,16 +212,25 @@ class TrainEngine:
             loss_sum += float(result.loss_sum.detach())
             summed += float(result.normalizer)
             peak = max(peak, float(result.normalizer))
-            constant = not SUMMED_UNITS[result.unit]
+            units.add(result.unit)
             for key, value in result.stats.items():
                 sums[key] += float(value)
             count += 1
+        # (summed units, constant units) seen on any rank, so that every rank takes the same
+        # decision below; a rank with only dummy passes has none
+        kinds = [float(any(SUMMED_UNITS[u] for u in units)),
+                 float(any(not SUMMED_UNITS[u] for u in units))]
         totals = torch.tensor([loss_sum, summed, float(count)], dtype=torch.float64)
         dist.all_reduce(totals)
-        flags = torch.tensor([peak, float(constant)], dtype=torch.float64)
+        flags = torch.tensor([peak, *kinds], dtype=torch.float64)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if flags[1] > 0 and flags[2] > 0:
+            raise ValueError("the loss returned both summed (tokens, sequences) and constant "
+                             "normalizer units in one optimizer step: they cannot be combined")
+        if totals[2] == 0:  # no rank has a row: an AdamW step would move on momentum alone
+            return {"skipped_step": 1.0, "lr": self.scheduler.get_last_lr()[0]}
         # tokens and sequences add up over micro-batches and ranks; a constant is what it is
-        total_norm = float(flags[0]) if flags[1] > 0 else float(totals[1])
+        total_norm = float(flags[0]) if flags[2] > 0 else float(totals[1])
         scale = self.world_size / total_norm if total_norm > 0 else 0.0
         for p in self.model.parameters():
             if p.grad is not None:
@@ -251,14 +239,20 @@ class TrainEngine:
                                                    self.config.optim.max_grad_norm)
         grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor")
                           else grad_norm)
-        skipped = not math.isfinite(grad_norm)
+        loss = float(totals[0]) / total_norm if total_norm > 0 else 0.0
+        skipped = not (math.isfinite(grad_norm) and math.isfinite(loss))
         if skipped:
+            problem = f"optimizer step {self.steps + 1}: loss {loss:g}, gradient norm {grad_norm:g}"
+            if not self.config.skip_nonfinite:
+                raise FloatingPointError(f"{problem} (pass --train.skip-nonfinite to skip such "
+                                         "steps instead)")
+            warnings.warn(f"{problem}: step skipped", RuntimeWarning, stacklevel=2)
             self.optimizer.zero_grad(set_to_none=True)
         else:
             self.optimizer.step()
             self.scheduler.step()
             self.steps += 1
-        out = {"loss": float(totals[0]) / total_norm if total_norm > 0 else 0.0,
+        out = {"loss": loss,
                "grad_norm": grad_norm, "skipped_step": float(skipped),
                "lr": self.scheduler.get_last_lr()[0], "normalizer": total_norm}
         for key, value in sums.items():
@@ -446,15 +440,8 @@ def _partition(batch: TensorDict, world_size: int) -> list[list[int]]:
             for owned in assign_groups(tokens, world_size)]
 
 
-def _split_groups(shard: TensorDict, parts: int) -> list[TensorDict]:
-    """This rank's rows in `parts` mini-batches of whole groups (same count on every rank)."""
-    gids = sorted(set(shard["group_ids"].tolist())) if shard.batch_size[0] else []
-    chunks = [gids[i::parts] for i in range(parts)]
-    row_groups = shard["group_ids"].tolist()
-    out = []
-    for chunk in map(set, chunks):
-        rows = [r for r, g in enumerate(row_groups) if g in chunk]
-        out.append(shard[torch.tensor(rows, dtype=torch.long)])
-    return out
-
-
+def _minibatch_of_rows(group_ids: torch.Tensor, parts: int) -> torch.Tensor:
+    """Each row's mini-batch: whole groups dealt round-robin in order of first appearance,
+    decided on the full batch so that the split does not depend on the world size."""
+    order = {gid: k for k, gid in enumerate(dict.fromkeys(group_ids.tolist()))}
+    return torch.tensor([order[g] % parts for g in group_ids.tolist()], dtype=torch.long)
