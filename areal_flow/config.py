@@ -40,6 +40,13 @@ class RolloutConfig:
     """Longer prompts are skipped and counted."""
     max_retries: int = attrs.field(default=2, validator=v.ge(0))
     """Times a sample whose workflow raised is tried again before it is given up."""
+    consume_order: Literal["fifo", "oldest_version"] = attrs.field(
+        default="fifo", validator=v.in_(("fifo", "oldest_version")))
+    """Which finished groups a batch takes. fifo: in order of finishing — short generations
+    finish first, so long ones wait, go stale and are dropped (a length bias; see the
+    scheduler's stale_dropped_token_fraction/len_* stats). oldest_version: the groups whose
+    oldest token is oldest, i.e. closest to being dropped, so long generations are trained
+    before they go stale; the cost is staler trained tokens on average (more off-policy)."""
 
     def __attrs_post_init__(self) -> None:
         if self.min_group_size > self.group_size:

@@ -97,10 +97,11 @@ def test_long_prompts_are_skipped_and_counted():
     assert stats["skipped_long_prompts"] >= 1 and "workflow_errors" not in stats
 
 
-def test_a_restart_readmits_unconsumed_prompts_first_and_keeps_admission_right():
+@pytest.mark.parametrize("order", ["fifo", "oldest_version"])
+def test_a_restart_readmits_unconsumed_prompts_first_and_keeps_admission_right(order):
     attempts.clear()
     data = [{"id": i, "fails": 0, "text": "ab"} for i in range(10)]
-    with scheduler(data, batch_size=2, max_staleness=1) as s:
+    with scheduler(data, batch_size=2, max_staleness=1, consume_order=order) as s:
         first = s.prepare_batch(timeout=30)
         s.set_version(1)
         s.settle()
@@ -110,7 +111,7 @@ def test_a_restart_readmits_unconsumed_prompts_first_and_keeps_admission_right()
     # η=1 at version 1 admits up to 3 batches' worth of groups: 2 consumed, 4 left unconsumed
     assert len(state["pending"]) == 4 and not set(state["pending"]) & set(consumed)
 
-    restored = scheduler(data, batch_size=2, max_staleness=1)
+    restored = scheduler(data, batch_size=2, max_staleness=1, consume_order=order)
     restored.load_state_dict(state)
     restored.pause()
     with restored:
@@ -120,3 +121,8 @@ def test_a_restart_readmits_unconsumed_prompts_first_and_keeps_admission_right()
     seen = [sorted(set(b["sample_ids"].tolist())) for b in batches]
     assert sorted(seen[0] + seen[1]) == sorted(state["pending"])
     assert stats["version"] == 1 and stats["accepted_total"] <= (1 + 1 + 1) * 2
+
+
+def test_an_unknown_consume_order_fails_naming_the_choices():
+    with pytest.raises(ValueError, match="'consume_order' must be in .*'oldest_version'"):
+        RolloutConfig(consume_order="lifo")

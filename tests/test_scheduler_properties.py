@@ -32,10 +32,10 @@ class ScriptedPool:
         await event.wait()
         return slot["completion"]
 
-    def release(self, index: int) -> None:  # runs in the scheduler's loop
+    def release(self, index: int, length: int = 4) -> None:  # runs in the scheduler's loop
         submitted, event, slot = self.pending.pop(index % len(self.pending))
-        versions = [submitted, submitted, self.version, self.version]
-        slot["completion"] = Completion(token_ids=[7, 8, 9, 10], logprobs=[-1.0] * 4,
+        versions = [submitted] * (length // 2) + [self.version] * (length - length // 2)
+        slot["completion"] = Completion(token_ids=[7] * length, logprobs=[-1.0] * length,
                                         versions=versions, finish_reason="length")
         event.set()
 
@@ -71,16 +71,18 @@ actions = st.lists(
     extra_concurrency=st.integers(0, 6),
     min_group_size=st.integers(1, 3),
     dynamic_sampling=st.booleans(),
+    consume_order=st.sampled_from(["fifo", "oldest_version"]),
     steps=actions,
 )
 def test_staleness_concurrency_and_accounting_hold_in_any_order(
     batch_size, group_size, max_staleness, extra_concurrency, min_group_size,
-    dynamic_sampling, steps,
+    dynamic_sampling, consume_order, steps,
 ):
     config = RolloutConfig(batch_size=batch_size, group_size=group_size,
                            min_group_size=min(min_group_size, group_size),
                            max_concurrent=group_size + extra_concurrency,
-                           max_staleness=max_staleness, max_prompt_tokens=16)
+                           max_staleness=max_staleness, max_prompt_tokens=16,
+                           consume_order=consume_order)
     pool = ScriptedPool()
     scheduler = RolloutScheduler(
         pool=pool, workflow="tests.scripted", dataset=[{"id": i} for i in range(7)],
@@ -193,3 +195,55 @@ def test_filters_that_reject_everything_end_in_a_clear_error():
             scheduler.portal.call(pool.release, 0)
         with pytest.raises(RolloutError, match="groups were all dropped"):
             scheduler.prepare_batch(timeout=5)
+
+
+STALE = "stale_dropped_token_fraction"
+
+
+@pytest.mark.parametrize(("order", "trained_lengths", "periods"), [
+    # FIFO trains the short group that finished second; the long one goes stale and is dropped
+    ("fifo", [4, 4, 4], [{STALE: 0.0, f"{STALE}/len_0-15": 0.0},
+                         {STALE: 0.0, f"{STALE}/len_0-15": 0.0},
+                         {STALE: 60 / 64, f"{STALE}/len_0-15": 0.0, f"{STALE}/len_48+": 1.0}]),
+    # oldest_version trains the long group while its oldest tokens are still allowed
+    ("oldest_version", [4, 60, 4], [{STALE: 0.0, f"{STALE}/len_0-15": 0.0},
+                                    {STALE: 0.0, f"{STALE}/len_48+": 0.0},
+                                    {STALE: 0.0, f"{STALE}/len_0-15": 0.0}]),
+])
+def test_fifo_drops_long_generations_as_stale_and_oldest_version_trains_them(
+    order, trained_lengths, periods,
+):
+    config = RolloutConfig(batch_size=1, group_size=1, max_concurrent=8, max_staleness=1,
+                           consume_order=order)
+    pool = ScriptedPool()
+    scheduler = RolloutScheduler(
+        pool=pool, workflow="tests.scripted", dataset=[{"id": i} for i in range(4)],
+        tokenizer=NullTokenizer(), score=no_reward, config=config,
+        sampling=SamplingParams(max_new_tokens=64), shuffle=False)  # length buckets of 16
+    lengths, stats = [], []
+
+    def finish(index: int, length: int) -> None:
+        scheduler.portal.call(pool.release, index, length)
+        scheduler.settle()
+
+    def train() -> None:
+        batch = scheduler.prepare_batch(timeout=5)
+        lengths.append(int(batch["loss_mask"].sum()))
+        stats.append({k: v for k, v in scheduler.stats().items() if k.startswith(STALE)})
+        pool.version = scheduler.version + 1
+        scheduler.set_version(pool.version)
+        scheduler.settle()
+
+    with scheduler:
+        scheduler.settle()
+        assert len(pool.pending) == 2  # η = 1: two groups admitted at version 0
+        finish(1, 4)  # a short one finishes and is trained at version 0
+        train()
+        assert len(pool.pending) == 2  # the long one (version 0) and a new one (version 1)
+        finish(1, 4)  # the short one finishes first ...
+        finish(0, 60)  # ... then the long one, tokens of versions 0 and 1, both still allowed
+        train()  # at version 1
+        finish(0, 4)
+        train()  # at version 2 a version-0 token is too stale
+    assert lengths == trained_lengths
+    assert stats == periods  # exact: 60 / 64 is a binary fraction

@@ -10,11 +10,18 @@ Admission (B = prompts per step, G = group size, η = max_staleness, counting gr
 where `accepted` counts groups accepted and not dropped (consumed ones included) and `running`
 counts groups in flight. At consumption, a group holding a token older than version − η is dropped
 and counted: interrupted generations can outlive the admission check.
+
+Consumption order (`RolloutConfig.consume_order`): "fifo" takes groups as they finished, which
+favours short generations — long ones wait and are the ones that go stale; "oldest_version" takes
+first the groups closest to going stale. `stats()` reports the fraction of model tokens leaving the
+queue that were dropped as stale, overall and by episode length (quarters of max_new_tokens), so
+the bias shows.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import random
 import threading
 import time
@@ -64,9 +71,17 @@ class _Group:
     sample_id: int
     episodes: list[Episode]
 
-    def oldest_version(self) -> int | None:
-        versions = [v for ep in self.episodes for v in ep.versions if v >= 0]
-        return min(versions) if versions else None
+    def oldest_version(self) -> float:
+        """The oldest model token's version; inf without model tokens (it never goes stale)."""
+        return min((v for ep in self.episodes for v in ep.versions if v >= 0), default=math.inf)
+
+
+# Sort keys of `RolloutConfig.consume_order`. Sorting is stable, so "fifo" keeps finishing order
+# and "oldest_version" breaks ties by it.
+_CONSUME_ORDERS: dict[str, Callable[[_Group], float]] = {
+    "fifo": lambda g: 0,
+    "oldest_version": _Group.oldest_version,
+}
 
 
 class RolloutScheduler:
@@ -130,6 +145,11 @@ class RolloutScheduler:
         self._consecutive_drops = 0
         self._counts: Counter[str] = Counter()
         self._peak_running = 0
+        # model tokens that left the queue, by (dropped as stale?, "" or a length bucket)
+        self._tokens: Counter[tuple[bool, str]] = Counter()
+        # length buckets: quarters of max_new_tokens, the last open (multi-turn episodes exceed it)
+        self._len_width = w = -(-sampling.max_new_tokens // 4)
+        self._len_keys = [*(f"/len_{i * w}-{(i + 1) * w - 1}" for i in range(3)), f"/len_{3 * w}+"]
 
         self._portal_cm = None
         self._portal: anyio.from_thread.BlockingPortal | None = None
@@ -208,7 +228,9 @@ class RolloutScheduler:
                     raise self._fatal
                 dropped = self._drop_stale_locked()
                 if len(self._queue) >= size:
-                    groups = [self._queue.popleft() for _ in range(size)]
+                    order = sorted(self._queue, key=_CONSUME_ORDERS[self.config.consume_order])
+                    groups, self._queue = order[:size], deque(order[size:])
+                    self._count_tokens_locked(groups, stale=False)
                     self._consumed += size
                     for g in groups:
                         self._inflight[g.sample_id] -= 1
@@ -247,6 +269,7 @@ class RolloutScheduler:
         """Counters since the last call, and current gauges."""
         with self._cond:
             counts, self._counts = self._counts, Counter()
+            tokens, self._tokens = self._tokens, Counter()
             peak, self._peak_running = self._peak_running, self._running_episodes
             gauges = {
                 "version": self._version,
@@ -256,7 +279,12 @@ class RolloutScheduler:
                 "accepted_total": self._accepted,
                 "peak_running_episodes": peak,
             }
-        return {**gauges, **counts}
+        # Of the model tokens that left the queue (trained or dropped as stale), the fraction
+        # dropped, overall and by episode length; a length with no tokens is left out.
+        fractions = {f"stale_dropped_token_fraction{key}": tokens[True, key] / total
+                     for key in ("", *self._len_keys)
+                     if (total := tokens[True, key] + tokens[False, key])}
+        return {**gauges, **counts, **fractions}
 
     def state_dict(self) -> dict[str, Any]:
         """Where the dataset iterator stands and what must be re-admitted after a restart."""
@@ -279,6 +307,14 @@ class RolloutScheduler:
         self._pending = deque(int(i) for i in state["pending"])
 
     # -- the event loop -----------------------------------------------------------------
+
+    def _count_tokens_locked(self, groups: list[_Group], stale: bool) -> None:
+        for g in groups:
+            for ep in g.episodes:
+                n = ep.num_trainable_tokens
+                bucket = self._len_keys[min(n // self._len_width, 3)]
+                self._tokens[stale, ""] += n
+                self._tokens[stale, bucket] += n
 
     def _count(self, key: str, n: int = 1) -> None:
         # under the lock: stats() swaps the counter from the trainer thread
@@ -471,12 +507,12 @@ class RolloutScheduler:
         oldest_allowed = self._version - self.config.max_staleness
         fresh, stale = deque(), []
         for g in self._queue:
-            oldest = g.oldest_version()
-            (stale if oldest is not None and oldest < oldest_allowed else fresh).append(g)
+            (stale if g.oldest_version() < oldest_allowed else fresh).append(g)
         if stale:
             for g in stale:
                 self._inflight[g.sample_id] -= 1
             self._queue = fresh
             self._accepted -= len(stale)
             self._counts["dropped_stale_groups"] += len(stale)
+            self._count_tokens_locked(stale, stale=True)
         return len(stale)
