@@ -79,8 +79,10 @@ class PolicyLossConfig:
     )
     """Average the loss over all tokens of the batch, or per sequence first."""
     recompute_proximal: bool = True
-    """Recompute pi_prox with a forward pass before the update; False approximates it from each
-    token's policy version (log-linear between behavior and current logprobs), saving a forward."""
+    """Recompute pi_prox with a forward pass before the update. False saves that forward: tokens
+    of the current version take pi_behav (the same weights, as the inference engine computed
+    them), stale tokens take pi_theta on the first mini-batch (exact) and a log-linear
+    interpolation in versions on later ones (approximate); see F.interpolate_proximal."""
 
 
 @attrs.frozen(kw_only=True)

@@ -242,6 +242,9 @@ class Episode:
     reward: float | None = None
     info: dict[str, Any] = attrs.field(factory=dict)
     temperature: float | None = None
+    truncated: bool = False
+    """The last model turn stopped at its token budget (finish reason `length`): the episode did
+    not end, it was cut, so value-based advantages bootstrap instead of treating it as final."""
 
     @classmethod
     def start(
@@ -265,6 +268,7 @@ class Episode:
                 "per episode"
             )
         self.temperature = completion.temperature
+        self.truncated = completion.finish_reason == "length"
         self.segments.append(
             Segment(
                 token_ids=completion.token_ids,

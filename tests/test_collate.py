@@ -16,7 +16,7 @@ tokens = st.lists(st.integers(1, 500), min_size=1, max_size=6)
 
 @st.composite
 def raw_episode(draw):
-    """(prompt, [(trainable, ids, logprobs, versions)], reward, temperature)"""
+    """(prompt, [(trainable, ids, logprobs, versions, finish reason)], reward, temperature)"""
     temperature = draw(st.sampled_from([0.7, 1.0]))
     segments = []
     for trainable in draw(st.lists(st.booleans(), max_size=4)):
@@ -24,19 +24,20 @@ def raw_episode(draw):
         if trainable:
             lps = [draw(st.floats(-20, 0)) for _ in ids]
             vers = [draw(st.integers(0, 5)) for _ in ids]
+            reason = draw(st.sampled_from(["stop", "length"]))
         else:
-            lps, vers = None, None
-        segments.append((trainable, ids, lps, vers))
+            lps, vers, reason = None, None, None
+        segments.append((trainable, ids, lps, vers, reason))
     return draw(tokens), segments, draw(st.floats(-1, 1)), temperature
 
 
 def build(raw):
     prompt, segments, reward, temperature = raw
     ep = Episode.start(prompt, reward=reward)
-    for trainable, ids, lps, vers in segments:
+    for trainable, ids, lps, vers, reason in segments:
         if trainable:
             ep.add(Completion(token_ids=ids, logprobs=lps, versions=vers,
-                              finish_reason="stop", temperature=temperature))
+                              finish_reason=reason, temperature=temperature))
         else:
             ep.add_tokens(ids)
     return ep
@@ -45,7 +46,7 @@ def build(raw):
 def reference_row(raw):
     prompt, segments, _, _ = raw
     ids, mask, lps, vers = list(prompt), [0] * len(prompt), [0.0] * len(prompt), [-1] * len(prompt)
-    for trainable, seg_ids, seg_lps, seg_vers in segments:
+    for trainable, seg_ids, seg_lps, seg_vers, _ in segments:
         ids += seg_ids
         mask += [int(trainable)] * len(seg_ids)
         lps += seg_lps if trainable else [0.0] * len(seg_ids)
@@ -75,6 +76,8 @@ def test_collation_matches_a_reference_built_from_the_segments(raw_groups):
         has_model_tokens = any(t for t, *_ in raw[1])
         expected_t = raw[3] if has_model_tokens else 1.0
         assert batch["temperature"][i].item() == torch.tensor(expected_t).item()
+        reasons = [reason for t, *_, reason in raw[1] if t]
+        assert batch["truncated"][i].item() == (reasons[-1:] == ["length"])
     # rows of one group are adjacent: group ids never decrease
     assert torch.all(batch["group_ids"][1:] >= batch["group_ids"][:-1])
 

@@ -11,6 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from areal_flow.algorithms import functional as F
+from areal_flow.algorithms.grpo import GRPOConfig
+from areal_flow.config import PolicyLossConfig
+from areal_flow.types import ModelOutput
 
 finite = st.floats(-10, 10, allow_nan=False, width=32)
 
@@ -47,18 +50,20 @@ def test_group_advantages_match_the_reference(data, std_normalize, leave_one_out
 
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.tuples(finite, finite, st.booleans()), min_size=1, max_size=12),
-       st.floats(0.5, 1.0), st.floats(0.0, 1.0))
-def test_gae_matches_the_recursive_definition(steps, gamma, lam):
+       st.floats(0.5, 1.0), st.floats(0.0, 1.0), st.one_of(st.none(), finite))
+def test_gae_matches_the_recursive_definition(steps, gamma, lam, bootstrap):
     rewards = torch.tensor([[r for r, _, _ in steps]])
     values = torch.tensor([[v for _, v, _ in steps]])
     mask = torch.tensor([[m for _, _, m in steps]])
-    adv, ret = F.gae(rewards, values, mask, gamma=gamma, lam=lam)
+    adv, ret = F.gae(rewards, values, mask, gamma=gamma, lam=lam,
+                     last_values=None if bootstrap is None else torch.tensor([bootstrap]))
     live = [i for i, (_, _, m) in enumerate(steps) if m]
+    end = 0.0 if bootstrap is None else bootstrap  # V(T+1): terminal, or the bootstrap value
     expected = {}
     for k in range(len(live)):  # A_t = Σ_l (γλ)^l δ_{t+l}, written out, not recursively
         total = 0.0
         for offset, t in enumerate(live[k:]):
-            nxt = steps[live[k + offset + 1]][1] if k + offset + 1 < len(live) else 0.0
+            nxt = steps[live[k + offset + 1]][1] if k + offset + 1 < len(live) else end
             delta = steps[t][0] + gamma * nxt - steps[t][1]
             total += (gamma * lam) ** offset * delta
         expected[live[k]] = total
@@ -69,15 +74,92 @@ def test_gae_matches_the_recursive_definition(steps, gamma, lam):
                                                  rel=1e-3, abs=1e-3)
 
 
-@given(finite, finite)
-def test_kl_estimators(logp, ref):
-    a, b = torch.tensor(logp), torch.tensor(ref)
-    assert F.KL_ESTIMATORS["k1"](a, b).item() == pytest.approx(logp - ref, abs=1e-4)
-    assert F.KL_ESTIMATORS["k2"](a, b).item() == pytest.approx(0.5 * (logp - ref) ** 2, rel=1e-4,
-                                                               abs=1e-4)
-    k3 = math.exp(ref - logp) - (ref - logp) - 1
-    assert F.KL_ESTIMATORS["k3"](a, b).item() == pytest.approx(k3, rel=1e-3, abs=1e-3)
-    assert F.KL_ESTIMATORS["k3"](a, b).item() >= -1e-6
+@st.composite
+def categoricals(draw, n):
+    """n log-distributions over the same K = 3..6 categories, from random logits."""
+    k = draw(st.integers(3, 6))
+    logits = st.lists(st.floats(-3, 3), min_size=k, max_size=k)
+    return [torch.log_softmax(torch.tensor(draw(logits), dtype=torch.float64), 0)
+            for _ in range(n)]
+
+
+@settings(max_examples=100, deadline=None)
+@given(categoricals(2))
+def test_k1_and_k3_average_to_the_kl_and_k2_k3_are_never_negative(dists):
+    logp, ref = dists
+    kl = torch.distributions.kl_divergence(torch.distributions.Categorical(logits=logp),
+                                           torch.distributions.Categorical(logits=ref)).item()
+    for name in ("k1", "k3"):  # E_{y~π}[k(y)], enumerating every y
+        estimate = (logp.exp() * F.KL_ESTIMATORS[name](logp, ref)).sum().item()
+        assert estimate == pytest.approx(kl, rel=1e-9, abs=1e-12), name
+    assert (F.KL_ESTIMATORS["k2"](logp, ref) >= 0).all()
+    assert (F.KL_ESTIMATORS["k3"](logp, ref) >= -1e-12).all()
+
+
+def one_token(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(1, 1)
+
+
+@settings(max_examples=100, deadline=None)
+@given(categoricals(4), st.sampled_from(["π_θ", "π_behav", "π_behav ≠ π_prox"]),
+       st.floats(0.01, 2.0), st.sampled_from(["token", "sequence"]))
+def test_the_kl_in_the_loss_has_the_reverse_kl_gradient_under_any_sampler(dists, sampler, beta,
+                                                                         aggregation):
+    """E_{y~π_behav}[L(y)] = β KL(π_θ‖π_ref) and E[∇L] = β ∇KL, the expectation taken exactly over
+    every y, for tokens sampled by π_θ itself or by another policy (whose importance weight the
+    loss applies), against autograd on the closed form Σ_k p_k (log p_k − log q_k)."""
+    theta = dists[0].clone().requires_grad_()  # logits of π_θ
+    logp, ref = torch.log_softmax(theta, 0), dists[1]
+    behav = logp.detach() if sampler == "π_θ" else dists[2]
+    prox = dists[3] if sampler == "π_behav ≠ π_prox" else behav
+    config = GRPOConfig(kl_coef=beta, loss=PolicyLossConfig(importance_weight_cap=None,
+                                                            aggregation=aggregation))
+    expected_loss = 0.0
+    for y in range(len(logp)):  # A = 0: the loss is the KL term alone
+        mb = {"loss_mask": torch.tensor([[True]]), "logprobs": one_token(behav[y]),
+              "prox_logprobs": one_token(prox[y]), "ref_logprobs": one_token(ref[y]),
+              "advantages": torch.zeros(1, 1, dtype=torch.float64)}
+        out = F.actor_loss(ModelOutput(logprobs=one_token(logp[y])), mb, config)
+        expected_loss = expected_loss + behav[y].exp() * out.loss_sum
+    (grad,) = torch.autograd.grad(expected_loss, theta)
+
+    logits = dists[0].clone().requires_grad_()
+    p, q = torch.softmax(logits, 0), torch.softmax(ref, 0)
+    kl = (p * (p.log() - q.log())).sum()
+    (want,) = torch.autograd.grad(kl, logits)
+    assert expected_loss.item() == pytest.approx(beta * kl.item(), rel=1e-9, abs=1e-12)
+    torch.testing.assert_close(grad, beta * want, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("garbage", [math.inf, -math.inf, 1e30, -1e30, math.nan])
+@pytest.mark.parametrize("recompute", [True, False])
+@pytest.mark.parametrize("aggregation", ["token", "sequence"])
+def test_garbage_at_padded_positions_changes_nothing(garbage, recompute, aggregation):
+    """±inf, huge or NaN on the pads of every input: finite loss and stats, zero gradient there,
+    and the same loss and gradients as the batch with zeros on its pads."""
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    g = torch.Generator().manual_seed(0)
+    clean = {key: -2 * torch.rand(2, 3, generator=g) * mask
+             for key in ("logp", "entropy", "logprobs", "prox_logprobs", "ref_logprobs")}
+    clean["advantages"] = torch.randn(2, 3, generator=g) * mask
+    config = GRPOConfig(kl_coef=0.1, entropy_coef=0.01,
+                        loss=PolicyLossConfig(aggregation=aggregation))
+    results = []
+    for pad in (0.0, garbage):
+        x = {key: torch.where(mask, t, pad) for key, t in clean.items()}
+        logp, entropy = x.pop("logp").requires_grad_(), x.pop("entropy").requires_grad_()
+        mb = {"loss_mask": mask, "versions": torch.tensor([[1, 2, -1], [2, -1, -1]]),
+              "policy_version": torch.tensor([2, 2]),
+              "minibatch_progress": torch.tensor([0.5, 0.5]), **x}
+        if not recompute:
+            del mb["prox_logprobs"]
+        out = F.actor_loss(ModelOutput(logprobs=logp, entropy=entropy), mb, config)
+        out.loss_sum.backward()
+        assert all(math.isfinite(float(v)) for v in out.stats.values()), out.stats
+        assert (logp.grad[~mask] == 0).all() and (entropy.grad[~mask] == 0).all()
+        results.append((out.loss_sum, logp.grad, entropy.grad))
+    for zeros, pads in zip(*results):
+        torch.testing.assert_close(pads, zeros)
 
 
 @settings(max_examples=200)
@@ -91,6 +173,12 @@ def test_ppo_surrogate_matches_the_reference(logp, old, adv, eps_low, eps_high, 
     if dual is not None and adv < 0:
         expected = min(expected, -dual * adv)
     assert loss.item() == pytest.approx(expected, rel=1e-3, abs=1e-3)
+    # clipping binds where the ratio left the range in the direction A pushes it (float32 aside)
+    bounds = (1 - eps_low, 1 + eps_high) + ((dual,) if dual is not None else ())
+    if abs(adv) > 1e-30 and all(abs(ratio - b) > 1e-4 * b for b in bounds):
+        binds = (adv > 0 and ratio > 1 + eps_high) or (adv < 0 and ratio < 1 - eps_low) or \
+            (adv < 0 and dual is not None and ratio > dual)
+        assert bool(clipped) == binds
 
 
 def test_ppo_gradient_is_the_policy_gradient_inside_the_clip_range_and_zero_outside():

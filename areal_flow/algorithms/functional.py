@@ -2,7 +2,8 @@
 
 Each function is small, works on padded [rows, tokens] tensors with a boolean `mask` of the
 positions that count, and documents its formula. Notation: r reward, A advantage, ρ = π/π_old
-the probability ratio, ε clip range, G group size.
+the probability ratio, ε clip range, G group size. Padded positions may hold anything (0, −inf,
+garbage): the losses zero them with `masked` before any exp, so they give 0, never NaN.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def group_advantages(
                                                                     population form)
     leave-one-out: A_i = r_i − mean_{j≠i}(r_j) = G/(G−1) · (r_i − mean_g(r))   (RLOO)
     Dr.GRPO uses mean only (std_normalize=False) with a constant loss normalizer.
-    A group of one row, or whose rewards are all equal, gets A = 0.
+    A group of one row, or whose rewards are all equal (`flat_groups`), gets A = 0.
     """
     rewards = rewards.float()
     _, index, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
@@ -44,10 +45,15 @@ def group_advantages(
         std = (sq / counts).sqrt()[index]
         centered = centered / (std + eps)
     # A group whose rewards are all equal carries no signal: exactly 0, not rounding noise / eps.
-    high = torch.full((len(counts),), -torch.inf).scatter_reduce(0, index, rewards, "amax")
-    low = torch.full((len(counts),), torch.inf).scatter_reduce(0, index, rewards, "amin")
-    flat = (high == low)[index]
-    return torch.where((size > 1) & ~flat, centered, torch.zeros_like(centered))
+    return torch.where(flat_groups(rewards, group_ids), torch.zeros_like(centered), centered)
+
+
+def flat_groups(rewards: Tensor, group_ids: Tensor) -> Tensor:
+    """[rows] bool: the row's group has one row, or all its rewards are equal (no signal)."""
+    _, index, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
+    high = torch.full((len(counts),), -torch.inf).scatter_reduce(0, index, rewards.float(), "amax")
+    low = torch.full((len(counts),), torch.inf).scatter_reduce(0, index, rewards.float(), "amin")
+    return ((high == low) | (counts == 1))[index]
 
 
 def scale_rewards(rewards: Tensor, *, scale: float = 1.0, bias: float = 0.0,
@@ -58,29 +64,39 @@ def scale_rewards(rewards: Tensor, *, scale: float = 1.0, bias: float = 0.0,
 
 
 def gae(rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float = 1.0,
-        lam: float = 1.0) -> tuple[Tensor, Tensor]:
+        lam: float = 1.0, last_values: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Generalised advantage estimation over the masked positions of each row.
 
     The masked positions are the steps t = 1..T of a row, in order; `rewards` holds the reward of
-    each step (usually only the last one is non-zero) and V(T+1) = 0:
+    each step (usually only the last one is non-zero) and V(T+1) is the row's `last_values`
+    ([rows]; None: 0, every row ends in a terminal state):
         δ_t = r_t + γ V_{t+1} − V_t,   A_t = δ_t + γλ A_{t+1},   returns R_t = A_t + V_t.
     Unmasked positions get 0.
     """
-    advantages = torch.zeros_like(values, dtype=torch.float32)
-    rows, width = values.shape
-    for row in range(rows):
-        steps = mask[row].nonzero().flatten().tolist()
-        next_value, running = 0.0, 0.0
-        for t in reversed(steps):
-            delta = float(rewards[row, t]) + gamma * next_value - float(values[row, t])
-            running = delta + gamma * lam * running
-            advantages[row, t] = running
-            next_value = float(values[row, t])
-    returns = (advantages + values.float()) * mask
-    return advantages, returns
+    rewards, values = masked(rewards, mask).float(), masked(values, mask).float()
+    advantages = torch.zeros_like(values)
+    next_value = torch.zeros(len(values)) if last_values is None else last_values.float()
+    running = torch.zeros(len(values))
+    for t in reversed(range(values.shape[1])):  # one column at a time, all rows at once
+        live = mask[:, t]
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        running = torch.where(live, delta + gamma * lam * running, running)
+        next_value = torch.where(live, values[:, t], next_value)
+        advantages[:, t] = torch.where(live, running, 0.0)
+    return advantages, masked(advantages + values, mask)
+
+
+def masked(x: Tensor, mask: Tensor) -> Tensor:
+    """x where `mask`, else 0: pads may hold ±inf or garbage, and exp(inf) · 0 is NaN in the loss
+    and in its gradient, so losses zero them before any exp or log (their gradient is then 0)."""
+    return torch.where(mask, x, 0)
 
 
 KLEstimator = Literal["k1", "k2", "k3"]
+"""Per-token *value* estimators of KL(π‖π_ref) on tokens y ~ π (Schulman, "Approximating KL
+divergence"): E_π[k1] = E_π[k3] = KL exactly, E_π[k2] ≈ KL to second order. They are for the
+reward penalty (`kl_in_reward`). Put in the loss their gradients are not ∇KL(π_θ‖π_ref): E_π[∇k1]
+= 0 and E_π[∇k3] = ∇KL(π_ref‖π_θ), the forward KL; the loss uses `kl_loss` instead."""
 
 
 def kl_k1(logp: Tensor, ref_logp: Tensor) -> Tensor:
@@ -100,6 +116,21 @@ def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
 
 
 KL_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
+
+
+def kl_loss(logp: Tensor, ref_logp: Tensor, prox_logp: Tensor, weight: Tensor) -> Tensor:
+    """Per-token KL(π_θ‖π_ref) term for the loss, on tokens sampled by π_behav:
+        L_KL = w · ρ · k3,   ρ = π_θ / π_prox (with gradient),   w = π_prox / π_behav (without)
+    so w·ρ = π_θ/π_behav is the importance ratio from the sampler to π_θ. Uncapped w gives
+        value:     E_behav[w ρ k3] = E_θ[k3] = KL(π_θ‖π_ref)
+        gradient:  ρ·k3 = π_ref/π_prox + ρ (log π_θ − log π_ref) − ρ, so
+                   ∇(w ρ k3) = w ρ (log π_θ − log π_ref) ∇log π_θ   (per sample) and
+                   E_behav[∇] = E_θ[(log π_θ − log π_ref) ∇log π_θ] = ∇KL(π_θ‖π_ref)
+    (the reverse-KL gradient, Tang & Munos 2025; the same per-sample gradient as w ρ̄ k2 with ρ̄ a
+    stop-gradient ratio, but the value is unbiased). Per token this is the gradient of each
+    position's KL with its context held fixed; moving the contexts too is what k1 in the reward
+    does. A capped w (`importance_weight`) trades this exactness for bounded variance."""
+    return weight.detach() * torch.exp(logp - prox_logp) * kl_k3(logp, ref_logp)
 
 
 def ppo_surrogate(
@@ -148,8 +179,11 @@ def interpolate_proximal(behav_logp: Tensor, current_logp: Tensor, versions: Ten
     per row) and the weights being trained are v_θ = v_p + `progress` (the fraction of this
     batch's optimizer steps already taken, per row):
         log π_prox ≈ log π_b + α (log π_θ − log π_b),   α = (v_p − v_b) / (v_θ − v_b)
-    exact at both ends: a token of the current version (v_b = v_p) keeps its behavior logprob,
-    and before the first optimizer step (progress 0) π_prox = π_θ. `current_logp` is detached.
+    Exact at both ends: a token of the current version (v_b = v_p) keeps its behavior logprob
+    (the same weights; an inference/trainer numerical mismatch then lands in ρ, not in w), and
+    before the first optimizer step (progress 0) π_prox = π_θ. In between, i.e. stale tokens on
+    the 2nd..M-th mini-batch of a batch, it is an approximation: it assumes log π moves linearly
+    with versions and each optimizer step is 1/M of a version. `current_logp` is detached.
     """
     v_b = versions.to(torch.float64)
     v_p = prox_version.to(torch.float64)[:, None]
@@ -162,19 +196,14 @@ def decoupled_policy_loss(logp: Tensor, mb, config) -> tuple[Tensor, dict[str, T
     """AReaL's decoupled PPO loss per token for a micro-batch `mb`, and stats that show it:
         L = w · max(−ρA, −clip(ρ, 1 − ε_low, 1 + ε_high) A)  (+ dual clip),
         ρ = π_θ / π_prox,   w = min(π_prox / π_behav, cap)   (w carries no gradient)
-    π_behav is `mb["logprobs"]` (from generation); π_prox is `mb["prox_logprobs"]` when the
-    runtime recomputed it (the algorithm has the `actor` role), else `interpolate_proximal`.
-    `config` is a `PolicyLossConfig`.
+    `config` is a `PolicyLossConfig`; π_behav, π_prox as `behavior_and_proximal` gives them.
     """
-    behav, mask = mb["logprobs"], mb["loss_mask"]
-    if "prox_logprobs" in mb.keys():
-        prox = mb["prox_logprobs"]
-    else:
-        prox = interpolate_proximal(behav, logp, mb["versions"], mb["policy_version"],
-                                    mb["minibatch_progress"])
+    mask = mb["loss_mask"]
+    logp = masked(logp, mask)
+    behav, prox = behavior_and_proximal(logp, mb)
     weight, capped = importance_weight(prox, behav, config.importance_weight_cap)
-    surrogate, clipped = ppo_surrogate(logp, prox, mb["advantages"], eps_low=config.eps_clip,
-                                       eps_high=config.eps_clip_high,
+    surrogate, clipped = ppo_surrogate(logp, prox, masked(mb["advantages"], mask),
+                                       eps_low=config.eps_clip, eps_high=config.eps_clip_high,
                                        dual_clip=config.dual_clip)
     with torch.no_grad():
         n = mask.sum().clamp(min=1)
@@ -188,9 +217,22 @@ def decoupled_policy_loss(logp: Tensor, mb, config) -> tuple[Tensor, dict[str, T
     return weight.detach() * surrogate, stats
 
 
+def behavior_and_proximal(logp: Tensor, mb) -> tuple[Tensor, Tensor]:
+    """(log π_behav, log π_prox), 0 on pads. π_behav is `mb["logprobs"]` (from generation);
+    π_prox is `mb["prox_logprobs"]` when the runtime recomputed it (the algorithm has the `actor`
+    role), else `interpolate_proximal` from the masked `logp` (see there for when that is exact)."""
+    mask = mb["loss_mask"]
+    behav = masked(mb["logprobs"], mask)
+    if "prox_logprobs" in mb.keys():
+        return behav, masked(mb["prox_logprobs"], mask)
+    return behav, interpolate_proximal(behav, logp, mb["versions"], mb["policy_version"],
+                                       mb["minibatch_progress"])
+
+
 def actor_loss(out, mb, config):
-    """The policy's `LossOutput` for GRPO and PPO: the decoupled policy loss, plus β·KL(π_θ‖π_ref)
-    per token when the KL penalty is in the loss, minus the entropy bonus, aggregated as
+    """The policy's `LossOutput` for GRPO and PPO: the decoupled policy loss, plus β·`kl_loss`
+    per token when the KL penalty is in the loss (its gradient is β·∇KL(π_θ‖π_ref) whatever
+    `kl_estimator` says: that one is for the reward), minus the entropy bonus, aggregated as
     `config.loss.aggregation` says. `config` has `loss`, `kl_coef`, `kl_estimator`,
     `kl_in_reward` and `entropy_coef` (`GRPOConfig`, `PPOConfig`)."""
     from areal_flow.types import LossOutput
@@ -199,13 +241,17 @@ def actor_loss(out, mb, config):
     n = mask.sum().clamp(min=1)
     per_token, stats = decoupled_policy_loss(out.logprobs, mb, config.loss)
     if config.kl_coef > 0 and not config.kl_in_reward:
-        kl = KL_ESTIMATORS[config.kl_estimator](out.logprobs, mb["ref_logprobs"])
+        logp = masked(out.logprobs, mask)
+        behav, prox = behavior_and_proximal(logp, mb)
+        weight, _ = importance_weight(prox, behav, config.loss.importance_weight_cap)
+        kl = kl_loss(logp, masked(mb["ref_logprobs"], mask), prox, weight)
         per_token = per_token + config.kl_coef * kl
-        stats["kl_ref"] = (kl.detach() * mask).sum() / n
+        stats["kl_ref"] = (kl.detach() * mask).sum() / n  # ≈ KL(π_θ‖π_ref) per token
+    entropy = None if out.entropy is None else masked(out.entropy, mask)
     if config.entropy_coef > 0:
-        per_token = per_token + entropy_bonus(out.entropy, config.entropy_coef)
-    if out.entropy is not None:
-        stats["entropy"] = (out.entropy.detach() * mask).sum() / n
+        per_token = per_token + entropy_bonus(entropy, config.entropy_coef)
+    if entropy is not None:
+        stats["entropy"] = entropy.detach().sum() / n
     loss_sum, normalizer, unit = AGGREGATIONS[config.loss.aggregation](per_token, mask)
     return LossOutput(loss_sum=loss_sum, normalizer=normalizer, unit=unit, stats=stats)
 
@@ -213,9 +259,9 @@ def actor_loss(out, mb, config):
 def whiten(values: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
     """(x − mean) / (std + eps) over the masked positions of the whole batch; 0 elsewhere."""
     n = mask.sum().clamp(min=1)
-    mean = (values * mask).sum() / n
-    std = ((((values - mean) * mask) ** 2).sum() / n).sqrt()
-    return (values - mean) / (std + eps) * mask
+    mean = masked(values, mask).sum() / n
+    std = (masked(values - mean, mask) ** 2).sum() / n
+    return masked((values - mean) / (std.sqrt() + eps), mask)
 
 
 def final_token_rewards(rewards: Tensor, mask: Tensor) -> Tensor:
@@ -230,16 +276,14 @@ def final_token_rewards(rewards: Tensor, mask: Tensor) -> Tensor:
 
 def token_level(per_token: Tensor, mask: Tensor) -> tuple[Tensor, float, str]:
     """Sum over every masked token, normalised by the number of tokens in the whole batch."""
-    mask = mask.float()
-    return (per_token * mask).sum(), float(mask.sum()), "tokens"
+    return masked(per_token, mask).sum(), float(mask.sum()), "tokens"
 
 
 def sequence_level(per_token: Tensor, mask: Tensor) -> tuple[Tensor, float, str]:
     """Each row's token mean, summed, normalised by the number of rows with model tokens."""
-    mask = mask.float()
     lengths = mask.sum(-1)
     has = lengths > 0
-    per_row = (per_token * mask).sum(-1) / lengths.clamp(min=1)
+    per_row = masked(per_token, mask).sum(-1) / lengths.clamp(min=1)
     return per_row[has].sum(), float(has.sum()), "sequences"
 
 

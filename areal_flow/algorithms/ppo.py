@@ -1,11 +1,13 @@
 """PPO with a learned critic, GAE and the decoupled (asynchronous) policy loss.
 
 advantages (once per batch, before the update; V from the critic, r_t the row's reward on its
-last model token, minus β·KL_t on every model token when the KL penalty goes into the reward):
+last model token, minus β·k_t on every model token when the KL penalty goes into the reward):
     δ_t = r_t + γ V_{t+1} − V_t,   A_t = δ_t + γλ A_{t+1},   R_t = A_t + V_t
+    V_{T+1} = 0 (terminal), or V_T for a `truncated` row with `bootstrap_truncated`
     A ← (A − mean(A)) / std(A) over the batch's model tokens (optional)
 actor loss per model token: the decoupled clipped surrogate shared with GRPO
-    L = w · max(−ρA, −clip(ρ, 1 − ε_low, 1 + ε_high) A) [+ β·KL_t] − c_H·H_t
+    L = w · max(−ρA, −clip(ρ, 1 − ε_low, 1 + ε_high) A) [+ β·w ρ k3] − c_H·H_t
+(the KL term is `F.kl_loss`, gradient β ∇KL(π_θ ‖ π_ref))
 critic loss per model token (V_old = the critic's values before the update):
     L_V = ½ max((V − R)², (V_old + clip(V − V_old, −ε_V, ε_V) − R)²)
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 from typing import Literal
 
 import attrs
+import torch
 from attrs import validators as v
 
 from areal_flow.algorithms import algorithm
@@ -40,9 +43,15 @@ class PPOConfig:
     """beta of the KL penalty against the reference model; 0 needs no reference."""
     kl_estimator: Literal["k1", "k2", "k3"] = attrs.field(
         default="k1", validator=v.in_(tuple(F.KL_ESTIMATORS)))
-    """KL estimator (k1, k2 or k3)."""
+    """KL estimator of the reward penalty (kl_in_reward): only k1's policy gradient is the
+    reverse-KL gradient; k2, k3 are lower-variance values. The loss ignores it (F.kl_loss)."""
     kl_in_reward: bool = True
     """Subtract beta * KL per token from the reward (classic RLHF PPO) instead of the loss."""
+    bootstrap_truncated: bool = False
+    """Bootstrap rows the batch marks `truncated` (cut at the length limit) with V(T+1) := V_T,
+    the critic's value at their last model token, instead of 0. Right when the cut is not part of
+    the task (the row's reward is what it earned so far); wrong when the reward scores the cut
+    answer (a wrong/missing answer, an overlong penalty): then the cut is the episode's end."""
     entropy_coef: float = attrs.field(default=0.0, validator=v.ge(0.0))
     """Entropy bonus coefficient."""
 
@@ -60,10 +69,21 @@ class PPO:
         rewards = F.final_token_rewards(batch["rewards"], mask)
         if c.kl_coef > 0 and c.kl_in_reward:
             old = batch["prox_logprobs"] if "prox_logprobs" in batch.keys() else batch["logprobs"]
-            kl = F.KL_ESTIMATORS[c.kl_estimator](old, batch["ref_logprobs"])
-            rewards = rewards - c.kl_coef * kl * mask
-        values = batch["values"] * mask
-        advantages, returns = F.gae(rewards, values, mask, gamma=c.gamma, lam=c.lam)
+            kl = F.KL_ESTIMATORS[c.kl_estimator](F.masked(old, mask),
+                                                 F.masked(batch["ref_logprobs"], mask))
+            rewards = rewards - c.kl_coef * kl
+        values = F.masked(batch["values"], mask)
+        last_values = None
+        if c.bootstrap_truncated:
+            if "truncated" not in batch.keys():
+                raise ValueError("bootstrap_truncated needs the batch key 'truncated' ([rows] "
+                                 "bool: finish_reason 'length')")
+            # the critic's value after the last token is not kept: V_T stands in for V_{T+1}
+            last = (mask.long() * torch.arange(mask.shape[1])).argmax(-1)
+            last_values = torch.where(batch["truncated"] & mask.any(-1),
+                                      values.gather(1, last[:, None])[:, 0], 0.0)
+        advantages, returns = F.gae(rewards, values, mask, gamma=c.gamma, lam=c.lam,
+                                    last_values=last_values)
         if c.whiten_advantages:
             advantages = F.whiten(advantages, mask)
         batch["advantages"] = advantages

@@ -39,8 +39,8 @@ class SFT:
 
     def loss(self, out: ModelOutput, mb) -> LossOutput:
         mask = mb["loss_mask"]
-        nll = -out.logprobs
+        nll = -F.masked(out.logprobs, mask)
         loss_sum, normalizer, unit = F.AGGREGATIONS[self.config.aggregation](nll, mask)
-        mean = (nll.detach() * mask).sum() / mask.sum().clamp(min=1)
+        mean = nll.detach().sum() / mask.sum().clamp(min=1)
         return LossOutput(loss_sum=loss_sum, normalizer=normalizer, unit=unit,
                           stats={"nll": mean})

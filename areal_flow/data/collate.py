@@ -15,7 +15,8 @@ def collate_groups(groups: Sequence[Sequence[Episode]], pad_token_id: int = 0) -
 
     Keys: ``input_ids``, ``attention_mask``, ``loss_mask`` (model tokens only), ``logprobs``
     (behavior; 0 elsewhere), ``versions`` (-1 on prompt, environment and padding tokens),
-    ``rewards``, ``group_ids`` (index of the group in `groups`), ``temperature``.
+    ``rewards``, ``group_ids`` (index of the group in `groups`), ``temperature``, ``truncated``
+    (the episode's last model turn hit its token budget).
     """
     rows = [(gid, ep) for gid, group in enumerate(groups) for ep in group]
     if not rows:
@@ -45,6 +46,7 @@ def collate_groups(groups: Sequence[Sequence[Episode]], pad_token_id: int = 0) -
             "versions": versions,
             "rewards": torch.tensor([ep.reward for _, ep in rows], dtype=torch.float32),
             "group_ids": torch.tensor([gid for gid, _ in rows], dtype=torch.long),
+            "truncated": torch.tensor([ep.truncated for _, ep in rows], dtype=torch.bool),
             # a prompt-only episode never sampled, so its logprobs are all masked; T=1 is neutral
             "temperature": torch.tensor(
                 [ep.temperature or 1.0 for _, ep in rows], dtype=torch.float32
