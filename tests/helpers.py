@@ -68,3 +68,14 @@ def run_recipe(recipe: str, args: list[str], *, launcher: tuple[str, ...] = (),
 def metrics(run_dir: Path) -> list[dict]:
     """The run folder's metrics.jsonl lines."""
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_finite(run_dir: Path, keys: tuple[str, ...]) -> None:
+    """Every trained step logged each of `keys` as a finite number (NaN passes a key check)."""
+    import math
+
+    trained = [m for m in metrics(run_dir) if m["step"] > 0]
+    assert trained
+    for m in trained:
+        for key in keys:
+            assert math.isfinite(m[key]), (m["step"], key, m[key])

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import metrics, run_recipe
+from tests.helpers import assert_finite, metrics, run_recipe
 
 
 def sft_args(model: Path, data: Path, run_dir: Path, *extra: str) -> list[str]:
@@ -40,6 +40,7 @@ def test_sft_lowers_heldout_nll_logs_to_tensorboard_and_keeps_the_newest_checkpo
     assert evals[16] < 0.7 * evals[0], evals
     trained = [m for m in metrics(run_dir) if m["step"] > 0]
     assert all({"nll", "loss", "grad_norm", "tokens_per_second"} <= set(m) for m in trained)
+    assert_finite(run_dir, ("nll", "loss", "grad_norm"))
 
     events = EventAccumulator(str(run_dir / "tensorboard")).Reload()
     assert {e.step: e.value for e in events.Scalars("eval/nll")} == pytest.approx(evals)
@@ -77,6 +78,8 @@ def test_ppo_critic_loss_falls(tiny_model_dir, gsm8k_file, tmp_path):
     losses = [m["critic/value_loss"] for m in trained]
     assert statistics.mean(losses[-4:]) < 0.5 * statistics.mean(losses[:4]), losses
     assert all("reward/mean" in m and "clip_fraction" in m for m in trained)
+    assert_finite(run_dir, ("loss", "grad_norm", "reward/mean", "critic/value_loss",
+                            "critic/grad_norm"))
     assert (run_dir / "checkpoints" / "step-000012" / "critic" / "trainer_state.pt").exists()
 
 
