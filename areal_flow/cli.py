@@ -70,6 +70,10 @@ def serve(
     dtype: Literal["float32", "bfloat16"] = "float32",
     max_batch_size: int = 64,
     seed: int = 0,
+    device: str = "auto",
+    weight_version: int | None = None,
+    health_delay: float = 0.0,
+    health_timeout: float = 20.0,
 ) -> int:
     """Serve a model with the local engine behind SGLang's HTTP protocol (the part areal_flow
     uses), for CPU machines and tests where SGLang cannot run. Ready when GET /health answers 200.
@@ -81,10 +85,17 @@ def serve(
         dtype: Weights' dtype.
         max_batch_size: Most sequences decoded together; more requests wait in a queue.
         seed: Seeds the sampling of requests that carry no sampling_seed.
+        device: auto (cuda when a GPU is visible, else cpu), cpu, cuda or cuda:N.
+        weight_version: The version of the weights loaded at start; without it the server
+            reports "default", as SGLang does.
+        health_delay: Seconds a health check waits before its one-token generation (SGLang: 1).
+        health_timeout: Seconds after which a health check (e.g. held by a pause) answers 503.
     """
     from areal_flow.inference.server import serve as run_server
 
-    run_server(model, host=host, port=port, dtype=dtype, max_batch_size=max_batch_size, seed=seed)
+    run_server(model, host=host, port=port, dtype=dtype, max_batch_size=max_batch_size, seed=seed,
+               device=device, weight_version=weight_version, health_delay=health_delay,
+               health_timeout=health_timeout)
     return 0
 
 

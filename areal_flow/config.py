@@ -8,6 +8,7 @@ docstrings are the help text) and cattrs structures them from files.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -117,6 +118,13 @@ class InferenceConfig:
     """Local engine weights' dtype (bfloat16 decodes ~3x faster on CPU)."""
     max_batch_size: int = attrs.field(default=64, validator=v.ge(1))
     """Most sequences the local engine decodes at once."""
+    device: str = attrs.field(default="auto")
+    """Where the local engine (and launched `areal-flow serve` servers) run: auto (cuda when a
+    GPU is visible, else cpu), cpu, cuda or cuda:N."""
+    deterministic: bool = False
+    """Launch SGLang with --enable-deterministic-inference. Without it SGLang ignores per-request
+    sampling seeds (slower: batch-invariant kernels, pytorch sampling); our server always
+    honours them."""
     addresses: tuple[str, ...] = ()
     """Running servers (host:port) for the sglang backend; none given launches `servers`."""
     addresses_file: str | None = None
@@ -130,6 +138,11 @@ class InferenceConfig:
         default="sglang", validator=v.in_(("sglang", "areal-flow")))
     """What launched servers run: SGLang (GPUs), or `areal-flow serve` (our SGLang-protocol
     server over the local engine, for CPU machines and tests)."""
+
+    @device.validator
+    def _check_device(self, attribute: attrs.Attribute, value: str) -> None:
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
+            raise ValueError(f"'device' must be auto, cpu, cuda or cuda:N: {value!r}")
 
 
 def _describe(exc: BaseException, type_: Any) -> str:

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -68,7 +69,7 @@ def test_the_sglang_command_and_environment(monkeypatch, tmp_path):
         sys.executable, "-m", "sglang.launch_server", "--model-path", "/models/qwen",
         "--host", "127.0.0.1", "--port", "31000", "--tp-size", "2",
         "--mem-fraction-static", "0.7", "--skip-tokenizer-init", "--random-seed", "3",
-        "--log-level", "warning", "--enable-memory-saver"]
+        "--weight-version", "0", "--log-level", "warning", "--enable-memory-saver"]
     assert second.argv[second.argv.index("--port") + 1] == "31001"
     assert (first.env["CUDA_VISIBLE_DEVICES"], second.env["CUDA_VISIBLE_DEVICES"]) == ("4,5", "6,7")
     for launch in (first, second):
@@ -81,6 +82,41 @@ def test_the_sglang_command_and_environment(monkeypatch, tmp_path):
     assert [launch.env["CUDA_VISIBLE_DEVICES"] for launch in plain] == ["0", "1", "2"]
     assert len({launch.slot.port for launch in plain}) == 3
     assert "--skip-tokenizer-init" not in plain[0].argv and "--random-seed" not in plain[0].argv
+    assert "--enable-deterministic-inference" not in plain[0].argv
+    # seeds are honoured by SGLang only with deterministic inference; None leaves "default"
+    (seeded,) = SGLangLauncher("m", deterministic_inference=True, weight_version=None).launches()
+    assert "--enable-deterministic-inference" in seeded.argv
+    assert "--weight-version" not in seeded.argv
+
+
+def flag(argv, name: str) -> str:
+    return argv[list(argv).index(name) + 1]
+
+
+def test_from_config_launches_with_the_inference_settings(monkeypatch):
+    """The recipe's InferenceConfig reaches the launched servers' command lines."""
+    from areal_flow.config import InferenceConfig
+    from areal_flow.inference.sglang_pool import SGLangPool
+
+    launched = []
+
+    def start(launcher):
+        launched.extend(launcher.launches())
+        raise ServerLaunchError("not started in this test")
+
+    monkeypatch.setattr(SGLangLauncher, "start", start)
+    for program in ("sglang", "areal-flow"):
+        config = InferenceConfig(backend="sglang", server_program=program, deterministic=True,
+                                 dtype="float32", max_batch_size=3, device="cuda:0")
+        with pytest.raises(ServerLaunchError):
+            SGLangPool.from_config(config, model="m", seed=5)
+    sglang, serve = (launch.argv for launch in launched)
+    assert "--enable-deterministic-inference" in sglang
+    assert flag(sglang, "--weight-version") == "0" and flag(sglang, "--random-seed") == "5"
+    assert serve[1:4] == ("-m", "areal_flow.cli", "serve")
+    assert (flag(serve, "--dtype"), flag(serve, "--max-batch-size"), flag(serve, "--device"),
+            flag(serve, "--weight-version"), flag(serve, "--seed")) == (
+        "float32", "3", "cuda:0", "0", "5")
 
 
 @pytest.mark.parametrize(("kwargs", "named"), [
@@ -142,13 +178,20 @@ def test_stop_kills_the_whole_process_group(tmp_path):
 
 
 def test_launching_areal_flow_serve_through_the_override(tiny_model_dir, tmp_path):
+    """The engine settings bound to `serve_command` reach the server, which starts with them
+    (its command line refuses unknown flags) and reports the launcher's weight version."""
     listing = tmp_path / "servers.txt"
-    launcher = SGLangLauncher(tiny_model_dir, gpus=[0], command=serve_command,
+    command = functools.partial(serve_command, dtype="bfloat16", max_batch_size=2, device="cpu")
+    launcher = SGLangLauncher(tiny_model_dir, gpus=[0], command=command, weight_version=7,
                               addresses_file=str(listing))
     try:
         (address,) = launcher.start()
         assert listing.read_text() == f"{address}\n"
         assert httpx.get(f"http://{address}/health").status_code == 200
+        argv = Path(f"/proc/{launcher.processes[0].pid}/cmdline").read_text().split("\0")
+        assert (flag(argv, "--dtype"), flag(argv, "--max-batch-size"), flag(argv, "--device")) == (
+            "bfloat16", "2", "cpu")
+        assert httpx.get(f"http://{address}/model_info").json()["weight_version"] == "7"
         out = httpx.post(f"http://{address}/generate", timeout=30, json={
             "input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 3, "temperature": 0}})
         assert len(out.json()["output_ids"]) <= 3

@@ -275,15 +275,84 @@ def test_a_bucket_of_tensors_updates_only_those(tiny_model_dir):
         before = {k: v.clone() for k, v in engine.model.state_dict().items()}
         name = "model.layers.0.mlp.down_proj.weight"
         bucket = {name: torch.ones_like(before[name])}
-        engine.update_weights(WeightUpdate(version=1, state_dict=bucket))
+        engine.update_weights(WeightUpdate(version=0, state_dict=bucket))  # keeps the version
         after = engine.model.state_dict()
         assert torch.equal(after[name], bucket[name])
         assert all(torch.equal(after[k], v) for k, v in before.items() if k != name)
         with pytest.raises(ValueError, match="do not fit the model"):
-            engine.update_weights(WeightUpdate(version=2, state_dict={name: torch.ones(3)}))
+            engine.update_weights(WeightUpdate(version=0, state_dict={name: torch.ones(3)}))
+        assert engine.version == 0
+    finally:
+        engine.close()
+
+
+def test_a_version_change_must_complete_the_weights(tiny_model_dir):
+    """Buckets that keep the version accumulate; the one that changes it must leave no tensor
+    of the model unsent since the last change (a tied tensor counts under either name); an empty
+    update is refused."""
+    engine = LocalEngine(tiny_model_dir)
+    try:
+        state = perturbed(engine.model, 0.05, seed=3)
+        assert engine.model.config.tie_word_embeddings  # lm_head.weight is embed_tokens.weight
+        norm = "model.norm.weight"
+        missing = rf"missing names \['lm_head.weight', .*\({len(state) - 1} in all\)"
+        with pytest.raises(ValueError, match=missing):
+            engine.update_weights(WeightUpdate(version=1, state_dict={norm: state[norm]}))
+        with pytest.raises(ValueError, match="no tensors"):
+            engine.update_weights(WeightUpdate(version=0, state_dict={}))
+        assert engine.version == 0
+        rest = {n: t for n, t in state.items() if n not in (norm, "lm_head.weight")}
+        engine.update_weights(WeightUpdate(version=0, state_dict=rest))
+        engine.update_weights(WeightUpdate(version=1, state_dict={norm: state[norm]}))
+        assert engine.version == 1
+        loaded = engine.model.state_dict()
+        assert all(torch.equal(loaded[n], t) for n, t in [*rest.items(), (norm, state[norm])])
+        # the next version starts over: everything must come again
+        with pytest.raises(ValueError, match=r"missing names \['lm_head.weight'"):
+            engine.update_weights(WeightUpdate(version=2, state_dict={norm: state[norm]}))
         assert engine.version == 1
     finally:
         engine.close()
+
+
+def test_the_device_is_cuda_when_there_is_one(monkeypatch):
+    from areal_flow.config import InferenceConfig
+    from areal_flow.inference.local import resolve_device
+
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_device(InferenceConfig().device) == torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device(InferenceConfig().device) == torch.device("cpu")
+    for bad in ("gpu", "cuda:x", "cuda:-1", "mps"):
+        with pytest.raises(ValueError, match=r"'device' must be"):
+            InferenceConfig(device=bad)
+
+
+def test_from_config_passes_the_device(monkeypatch):
+    from areal_flow.config import InferenceConfig
+
+    seen = {}
+    monkeypatch.setattr(LocalEngine, "__init__", lambda self, model, **kwargs: seen.update(kwargs))
+    LocalEngine.from_config(InferenceConfig(device="cuda:1", max_batch_size=3), model="m")
+    assert seen["device"] == "cuda:1" and seen["max_batch_size"] == 3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_sampling_on_cuda_logits_with_cpu_generators_matches_the_cpu():
+    from areal_flow.inference.local import sample
+
+    logits = torch.randn(3, 300, generator=torch.Generator().manual_seed(0)) * 3
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, top_p=0.8),
+              SamplingParams(temperature=1.0)]
+    for seed in range(5):
+        def generators():
+            return [torch.Generator().manual_seed(seed + i) for i in range(3)]
+
+        cpu_tokens, cpu_logprobs = sample(logits, params, generators())
+        gpu_tokens, gpu_logprobs = sample(logits.cuda(), params, generators())
+        assert gpu_tokens.cpu().tolist() == cpu_tokens.tolist()
+        torch.testing.assert_close(gpu_logprobs.cpu(), cpu_logprobs, atol=1e-5, rtol=1e-5)
 
 
 def test_an_abort_never_reaches_requests_submitted_after_it(engine):

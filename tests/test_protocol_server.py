@@ -245,8 +245,6 @@ def test_retract_update_from_disk_continue_mixes_versions(server, hook, perturbe
                             temperature=0, ignore_eos=True)
         assert fired.wait(30)
         ok(server.client.post("/pause_generation", json={"mode": "retract"}))
-        assert server.client.get("/health_generate").status_code == 503  # paused
-        assert server.client.get("/health").status_code == 200
         second = pool.submit(post_generate, server, server.prompt, max_new_tokens=40,
                              temperature=0, ignore_eos=True)
         wait_for(lambda: server.state.held == 1, what="the new request to wait")
@@ -293,24 +291,28 @@ def test_update_from_a_missing_folder_fails_and_keeps_the_weights(server, tmp_pa
     assert after["output_ids"] == before["output_ids"]
 
 
-def test_abort_request_one_then_all(server, hook):
+def test_abort_request_matches_ids_by_prefix_then_all(server, hook):
+    """As in SGLang, a rid aborts every request whose id starts with it."""
     fired = threading.Event()
-    hook(freeze_after(server.state, requests=2, steps=1, fired=fired))
-    with ThreadPoolExecutor(2) as pool:
-        a, b = (pool.submit(post_generate, server, server.prompt, rid=rid, max_new_tokens=200,
-                            ignore_eos=True) for rid in ("x-a", "x-b"))
+    hook(freeze_after(server.state, requests=4, steps=1, fired=fired))
+    rids = ("x-1", "x-10", "x-2", "y")
+    with ThreadPoolExecutor(4) as pool:
+        futures = {rid: pool.submit(post_generate, server, server.prompt, rid=rid,
+                                    max_new_tokens=200, ignore_eos=True) for rid in rids}
         assert fired.wait(30)
-        dup = post_generate(server, server.prompt, rid="x-b", max_new_tokens=2)
+        dup = post_generate(server, server.prompt, rid="x-2", max_new_tokens=2)
         assert dup.status_code == 400 and "rid" in dup.json()["error"]["message"]
-        r = server.client.post("/abort_request", json={"rid": "x-a"})
+        r = server.client.post("/abort_request", json={"rid": "x-1"})
         assert r.status_code == 200 and r.content == b""
-        assert ok(a.result(60))["meta_info"]["finish_reason"] == ABORTED
-        assert server.state.inflight == {"x-b"}
+        for rid in ("x-1", "x-10"):
+            assert ok(futures[rid].result(60))["meta_info"]["finish_reason"] == ABORTED
+        assert server.state.inflight == {"x-2", "y"}
         assert server.client.post("/abort_request", json={"rid": "unknown"}).status_code == 200
-        assert server.state.inflight == {"x-b"}
+        assert server.state.inflight == {"x-2", "y"}
         ok_all = server.client.post("/abort_request", json={"abort_all": True})
         assert ok_all.status_code == 200
-        assert ok(b.result(60))["meta_info"]["finish_reason"] == ABORTED
+        for rid in ("x-2", "y"):
+            assert ok(futures[rid].result(60))["meta_info"]["finish_reason"] == ABORTED
 
 
 def test_a_client_that_goes_away_aborts_its_request(server, hook):
@@ -346,9 +348,32 @@ def test_update_weight_version_aborts_and_relabels(server, hook):
     assert meta["weight_versions"] == [{"version": "12", "start": 0, "end": 3}]
 
 
+def test_health_generates_a_token_and_is_held_while_paused(server):
+    """SGLang's /health (= /health_generate): one token through the engine, 200; while
+    generation is paused the check waits, and answers 503 after the hold timeout."""
+    for path in ("/health", "/health_generate"):
+        server.engine.stats()
+        assert server.client.get(path).status_code == 200
+        assert server.engine.stats()["generated_tokens"] == 1
+    ok(server.client.post("/pause_generation", json={"mode": "retract"}))
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            held = pool.submit(server.client.get, "/health")
+            wait_for(lambda: server.state.held == 1, what="the health check to be held")
+            assert not held.done()
+            ok(server.client.post("/continue_generation"))
+            assert held.result(60).status_code == 200
+        ok(server.client.post("/pause_generation", json={"mode": "retract"}))
+        server.state.health_timeout = 0.05
+        assert server.client.get("/health").status_code == 503
+        assert server.state.held == 0
+    finally:
+        server.state.health_timeout = 20.0
+        ok(server.client.post("/continue_generation"))
+
+
 def test_health_model_info_and_flush_cache(server, tiny_model_dir):
     assert server.client.get("/health").status_code == 200
-    assert server.client.get("/health_generate").status_code == 200
     info = ok(server.client.get("/model_info"))
     assert info == ok(server.client.get("/get_model_info"))
     assert info["model_path"] == info["tokenizer_path"] == str(tiny_model_dir)
@@ -393,6 +418,8 @@ BAD_BODIES = [
     ("/update_weights_from_disk", {"model_path": "x", "load_format": "dummy"}, "load_format"),
     ("/update_weight_version", {}, "new_version"),
     ("/init_weights_update_group", {"master_address": "127.0.0.1"}, "master_port"),
+    ("/begin_weight_update", {"selector": "everything"}, "selector"),
+    ("/end_weight_update", {"flush": True}, "flush"),
     ("/update_weights_from_distributed", {"names": ["w"], "dtypes": ["float32"]}, "shapes"),
     ("/update_weights_from_distributed",
      {"names": ["w"], "dtypes": ["float99"], "shapes": [[2]]}, "dtypes"),
@@ -415,11 +442,26 @@ def test_malformed_bodies_are_refused_naming_the_field(server, path, body, named
     assert not server.state.inflight and server.state.resumed.is_set()
 
 
-def test_a_distributed_update_needs_the_group_first(server):
-    r = server.client.post("/update_weights_from_distributed",
-                           json={"names": ["w"], "dtypes": ["float32"], "shapes": [[2]]})
-    assert r.status_code == 400 and r.json()["success"] is False
-    assert "/init_weights_update_group" in r.json()["message"]
+def test_a_distributed_update_needs_a_session_and_the_group(server):
+    """As in SGLang 0.5.23: only between /begin_weight_update and /end_weight_update, one session
+    at a time; then only in the group."""
+    def update() -> httpx.Response:
+        return server.client.post("/update_weights_from_distributed",
+                                  json={"names": ["w"], "dtypes": ["float32"], "shapes": [[2]]})
+
+    def refused(r: httpx.Response, message: str) -> None:
+        assert r.status_code == 400 and r.json()["success"] is False
+        assert message in r.json()["message"]
+
+    refused(update(), "must run between begin_weight_update() and end_weight_update()")
+    refused(server.client.post("/end_weight_update", json={}), "without begin_weight_update")
+    assert ok(server.client.post("/begin_weight_update", json={"selector": "all"}))["success"]
+    try:
+        refused(server.client.post("/begin_weight_update", json={}), "already open")
+        refused(update(), "/init_weights_update_group")
+    finally:
+        assert ok(server.client.post("/end_weight_update", json={}))["success"]
+    refused(update(), "must run between")
 
 
 # ---------------------------------------------------------------------------- `areal-flow serve`
@@ -468,7 +510,9 @@ def test_cli_serve_generates_over_http(served, tiny_model_dir):
     prompt = AutoTokenizer.from_pretrained(tiny_model_dir).encode(PROMPT_TEXT)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     out = assert_serves_like(served, model, prompt)
-    assert ok(served.get("/model_info"))["weight_version"] == "0"
+    # started without --weight-version: SGLang's "default", on the tokens too
+    assert ok(served.get("/model_info"))["weight_version"] == "default"
+    assert out["meta_info"]["weight_versions"] == [{"version": "default", "start": 0, "end": 8}]
 
 
 def test_weights_broadcast_over_a_gloo_group(served, tiny_model_dir):
@@ -495,9 +539,11 @@ def test_weights_broadcast_over_a_gloo_group(served, tiny_model_dir):
                 "success": True, "message": "Succeeded to initialize custom process group."}
             again = served.post("/init_weights_update_group", json=join)
             assert again.status_code == 400 and again.json()["success"] is False
+            ok(served.post("/begin_weight_update", json={"selector": "all"}))
             updated = pool.submit(served.post, "/update_weights_from_distributed", json=meta)
             group.broadcast(state.values())
             assert ok(updated.result(60))["success"] is True
+            ok(served.post("/end_weight_update", json={}))
         finally:
             group.close()
     assert ok(served.post("/destroy_weights_update_group", json={}))["success"] is True

@@ -8,6 +8,7 @@ the servers report (`/get_load`, `/model_info`) or what the pool reports (`serve
 from __future__ import annotations
 
 import asyncio
+import datetime
 import os
 import signal
 from pathlib import Path
@@ -200,6 +201,101 @@ def test_servers_join_and_leave_through_the_addresses_file(addrs, http, tmp_path
         pool.close()
 
 
+def test_an_abort_reaches_only_its_own_request(addrs, http, tiny_model_dir):
+    """SGLang aborts every request whose id starts with the rid given: "r1" must not abort
+    "r10" (under the old ids it did, and the pool silently resubmitted it)."""
+    a = addrs["A"]
+    pool = SGLangPool([a])
+    try:
+        pool.update_weights(WeightUpdate(version=1, path=str(tiny_model_dir)))
+        pool.stats()
+        r1, r10 = (GenerationRequest(input_ids=prompts(1)[0], rid=rid, sampling=SamplingParams(
+            temperature=0, max_new_tokens=200, ignore_eos=True)) for rid in ("r1", "r10"))
+
+        async def main():
+            tasks = [asyncio.ensure_future(pool.generate(r)) for r in (r1, r10)]
+            await asyncio.to_thread(wait_for, lambda: sum(
+                t >= 1 for t in http.get(f"http://{a}/get_load").json()["requests"].values()
+            ) == 2, what="both requests generating")
+            await asyncio.to_thread(pool.abort, "r1")
+            return await asyncio.gather(*tasks)
+
+        one, ten = run(main())
+        assert one.finish_reason == "abort" and len(one.token_ids) < 200
+        assert ten.finish_reason == "length" and len(ten.token_ids) == 200
+        assert pool.stats()["resubmissions"] == 0
+    finally:
+        pool.close()
+
+
+def test_no_health_checks_while_the_pool_is_paused(addrs):
+    """SGLang holds /health while generation is paused (503 after ~20 s): the pool's health
+    budget is above that, and it does not health-check while it has paused the servers."""
+    a, down = addrs["A"], f"127.0.0.1:{free_port()}"  # nothing listens there
+    pool = SGLangPool([a, down], refresh_interval=3600)
+    paths = []
+    post = pool._post
+
+    async def recording(server, path, *args, **kwargs):
+        paths.append((server.address, path))
+        return await post(server, path, *args, **kwargs)
+
+    pool._post = recording
+    try:
+        assert pool._health_timeout.read == 30
+        pool.refresh()
+        assert (down, "/health") in paths
+        pool.pause()
+        paths.clear()
+        pool.refresh()
+        assert paths == []
+        assert {s["address"]: s["in_rotation"] for s in pool.servers()} == {a: True, down: False}
+        pool.resume()
+        pool.refresh()
+        assert (down, "/health") in paths
+    finally:
+        pool.resume()  # A must not stay paused for the next tests
+        pool.close()
+
+
+def test_a_server_reporting_default_is_labelled_or_taken_out(addrs, tmp_path, tiny_model_dir):
+    """A fresh SGLang server reports "default": the pool gives it the current weights when it
+    joins; if one answers with "default" anyway (restarted unnoticed), the pool takes it out and
+    finishes the requests elsewhere instead of failing them."""
+    a = addrs["A"]
+    with SGLangLauncher(tiny_model_dir, weight_version=None, command=serve_command) as fresh:
+        (x,) = fresh.addresses
+        assert httpx.get(f"http://{x}/model_info").json()["weight_version"] == "default"
+        listing = tmp_path / "servers.txt"
+        write_addresses(listing, a)
+        pool = SGLangPool(addresses_file=listing, refresh_interval=3600)
+        try:
+            pool.update_weights(WeightUpdate(version=4, path=str(tiny_model_dir)))
+            pool.stats()
+
+            async def unlabelled(server):  # admit it without catching it up
+                pass
+
+            pool._catch_up = unlabelled
+            write_addresses(listing, a, x)
+            pool.refresh()
+            assert {s["address"]: s["weight_version"] for s in pool.servers()}[x] == "default"
+            outs = generate_all(pool, [greedy(p, 4) for p in prompts(4)])
+            assert all(set(o.versions) == {4} and len(o.token_ids) == 4 for o in outs)
+            assert not {s["address"]: s["in_rotation"] for s in pool.servers()}[x]
+            assert pool.stats()["dead_servers"] == 1
+
+            del pool._catch_up
+            pool.refresh()
+            assert {s["address"]: (s["in_rotation"], s["weight_version"])
+                    for s in pool.servers()}[x] == (True, "4")
+            before = routed(pool)[x]
+            outs = generate_all(pool, [greedy(p, 4) for p in prompts(4)])
+            assert routed(pool)[x] > before and all(set(o.versions) == {4} for o in outs)
+        finally:
+            pool.close()
+
+
 def test_a_server_killed_mid_request_loses_nothing(cluster, addrs, http, tiny_model_dir):
     """SIGKILL server D while it holds requests: they complete on A, nothing is lost."""
     a, d = addrs["A"], addrs["D"]
@@ -237,10 +333,15 @@ def test_a_server_killed_mid_request_loses_nothing(cluster, addrs, http, tiny_mo
     assert stats["dead_servers"] == 1 and stats["retries"] >= 2 and stats["requests"] == 4
 
 
+GROUP_TIMEOUT = datetime.timedelta(seconds=60)
+"""A refused bucket leaves the trainer's broadcast waiting for the group's timeout: fail soon."""
+
+
 def test_bucketed_weights_over_a_gloo_group(addrs, http, tmp_path, tiny_model_dir, monkeypatch):
-    """The trainer joins the weight-update group as rank 0 and broadcasts the weights in buckets;
-    both servers then generate exactly as the trainer's model. A server that joins afterwards is
-    not in the group: it gets the last weights from disk and the new version label."""
+    """The trainer joins the weight-update group as rank 0 and broadcasts the weights in buckets,
+    inside a weight-update session on each server; both servers then generate exactly as the
+    trainer's model. A server that joins afterwards is not in the group: it loads the last
+    folder, and stays out of rotation until a new group brings it the current weights."""
     a, b, c = addrs["A"], addrs["B"], addrs["C"]
     http.post(f"http://{c}/update_weights_from_disk", json={"model_path": str(tiny_model_dir),
                                                            "weight_version": "0"})
@@ -251,7 +352,7 @@ def test_bucketed_weights_over_a_gloo_group(addrs, http, tmp_path, tiny_model_di
     try:
         pool.update_weights(WeightUpdate(version=10, path=str(tiny_model_dir)))
         group = weight_sync.connect(pool, "127.0.0.1", free_port(), backend="gloo",
-                                    group_name="test_group")
+                                    group_name="test_group", timeout=GROUP_TIMEOUT)
         trainer = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
         trainer.load_state_dict(perturbed(trainer, 0.05, seed=22))
         trainer.save_pretrained(tmp_path / "trained")
@@ -279,15 +380,34 @@ def test_bucketed_weights_over_a_gloo_group(addrs, http, tmp_path, tiny_model_di
                 torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]),
                 logprobs, atol=1e-4, rtol=1e-4)
             assert out["meta_info"]["weight_version"] == "11"
+            # the session was closed after the last bucket: a new one opens
+            for step in ("/begin_weight_update", "/end_weight_update"):
+                assert http.post(f"http://{address}{step}", json={}).json()["success"]
 
         write_addresses(listing, a, b, c)
         pool.refresh()
-        assert http.get(f"http://{c}/model_info").json()["weight_version"] == "11"
-        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
-        assert served_greedy(http, c, prompt)["output_ids"] == greedy_reference(base, prompt, 8)
+        assert http.get(f"http://{c}/model_info").json()["weight_version"] == "10"
+        newcomer = {s["address"]: s for s in pool.servers()}[c]
+        assert newcomer["healthy"] and newcomer["stale"] and not newcomer["in_rotation"]
+        assert pool.stats()["servers_stale"] == 1
+        generate_all(pool, [greedy(prompt, 2) for _ in range(4)])
+        assert routed(pool)[c] == 0
+
+        pool.destroy_weight_group(group.group_name)
+        group.close()
+        group = weight_sync.connect(pool, "127.0.0.1", free_port(), backend="gloo",
+                                    group_name="test_group_2", timeout=GROUP_TIMEOUT)  # C too
+        assert group.world_size == 4
+        trainer.load_state_dict(perturbed(trainer, 0.05, seed=23))
+        weight_sync.broadcast_buckets(pool, group, trainer.state_dict().items(), version=12,
+                                      bucket_bytes=total // 3)
+        newcomer = {s["address"]: s for s in pool.servers()}[c]
+        assert newcomer["in_rotation"] and not newcomer["stale"]
+        assert newcomer["weight_version"] == "12" and pool.stats()["servers_stale"] == 0
+        assert served_greedy(http, c, prompt)["output_ids"] == greedy_reference(trainer, prompt, 8)
     finally:
         if group is not None:
-            pool.destroy_weight_group("test_group")
+            pool.destroy_weight_group(group.group_name)
             group.close()
         pool.close()
         if torch.distributed.is_initialized():  # the runtime's own one-process world

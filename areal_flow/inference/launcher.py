@@ -9,7 +9,10 @@ removed from the inherited environment: behavior logprobs must be taken after te
 (DESIGN.md "Generation").
 
 The command is built by a function of (launcher, slot): `sglang_command` by default;
-`serve_command` starts ``areal-flow serve`` instead (CPU machines and tests).
+`serve_command` starts ``areal-flow serve`` instead (CPU machines and tests). Servers start with
+``--weight-version`` (the pool's integer label, instead of SGLang's ``"default"``), and, when
+asked, with ``--enable-deterministic-inference``, without which SGLang ignores per-request
+``sampling_seed``.
 """
 
 from __future__ import annotations
@@ -83,17 +86,26 @@ def sglang_command(launcher: SGLangLauncher, slot: ServerSlot) -> list[str]:
         argv.append("--skip-tokenizer-init")
     if launcher.random_seed is not None:
         argv += ["--random-seed", str(launcher.random_seed)]
+    if launcher.weight_version is not None:
+        argv += ["--weight-version", str(launcher.weight_version)]
+    if launcher.deterministic_inference:
+        argv.append("--enable-deterministic-inference")
     if launcher.log_level is not None:
         argv += ["--log-level", launcher.log_level]
     return [*argv, *launcher.extra_args]
 
 
-def serve_command(launcher: SGLangLauncher, slot: ServerSlot) -> list[str]:
-    """``areal-flow serve``: the SGLang protocol over the local engine (no GPU needed)."""
+def serve_command(launcher: SGLangLauncher, slot: ServerSlot, *, dtype: str | None = None,
+                  max_batch_size: int | None = None, device: str | None = None) -> list[str]:
+    """``areal-flow serve``: the SGLang protocol over the local engine (no GPU needed). The
+    engine's settings are bound with `functools.partial` (None: the command's default)."""
     argv = [sys.executable, "-m", "areal_flow.cli", "serve", "--model", launcher.model_path,
             "--host", slot.host, "--port", str(slot.port)]
-    if launcher.random_seed is not None:
-        argv += ["--seed", str(launcher.random_seed)]
+    options = {"--seed": launcher.random_seed, "--weight-version": launcher.weight_version,
+               "--dtype": dtype, "--max-batch-size": max_batch_size, "--device": device}
+    for flag, value in options.items():
+        if value is not None:
+            argv += [flag, str(value)]
     return [*argv, *launcher.extra_args]
 
 
@@ -129,6 +141,10 @@ class SGLangLauncher:
     """One port per server; free ports are picked when None."""
     skip_tokenizer_init: bool = False
     random_seed: int | None = None
+    weight_version: int | None = 0
+    """The version servers report at start (the pool's first label); None: SGLang's "default"."""
+    deterministic_inference: bool = False
+    """SGLang honours per-request sampling seeds only with this (it is slower)."""
     log_level: str | None = "warning"
     log_dir: str | None = None
     """Where the servers' logs go (a new temporary folder when None)."""

@@ -31,6 +31,13 @@ from areal_flow.types import Completion, FinishReason, GenerationRequest, Weight
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+def resolve_device(device: str) -> torch.device:
+    """``"auto"`` is CUDA when a GPU is visible, else the CPU; anything else is a torch device."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
 @attrs.define(eq=False)
 class _Sequence:
     """A request while the engine holds it."""
@@ -55,7 +62,7 @@ class LocalEngine:
     Args:
         model: a `save_pretrained` folder (or hub id when online).
         dtype: weights' dtype; bfloat16 decodes about 2x faster on CPUs with bf16 support.
-        device: torch device.
+        device: torch device, or ``"auto"`` (CUDA when available, else CPU).
         max_batch_size: most sequences decoded together; more requests wait in a queue.
         seed: seeds the sampling of requests that do not carry their own seed.
         version: the version of the weights loaded at start.
@@ -76,7 +83,7 @@ class LocalEngine:
         if max_batch_size < 1:
             raise ValueError(f"'max_batch_size' must be >= 1: {max_batch_size}")
         self.model_path = str(model)
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.model = AutoModelForCausalLM.from_pretrained(
             self.model_path, dtype=DTYPES[dtype], attn_implementation="sdpa"
@@ -89,6 +96,14 @@ class LocalEngine:
         self.pad_token_id = self.tokenizer.pad_token_id or next(iter(self.eos_token_ids), 0)
         self._rng = torch.Generator().manual_seed(seed)
         self._version = version
+        # Tied tensors (lm_head = embed_tokens) are one weight under several names: receiving
+        # any one of them covers all.
+        storage: dict[int, set[str]] = {}
+        for name, tensor in self.model.state_dict().items():
+            storage.setdefault(tensor.data_ptr(), set()).add(name)
+        self._aliases = {name: frozenset(names) for names in storage.values() for name in names}
+        self._received: set[str] = set()
+        """Tensor names loaded since the version last changed (a bucketed update so far)."""
 
         self._cv = threading.Condition()
         self._waiting: deque[_Sequence] = deque()
@@ -113,7 +128,8 @@ class LocalEngine:
     @classmethod
     def from_config(cls, config, *, model: str, seed: int = 0, run_dir=None) -> LocalEngine:
         """The pool a recipe asked for with `InferenceConfig` (every pool class has this)."""
-        return cls(model, dtype=config.dtype, max_batch_size=config.max_batch_size, seed=seed)
+        return cls(model, dtype=config.dtype, device=config.device,
+                   max_batch_size=config.max_batch_size, seed=seed)
 
     # -- GenerationPool -----------------------------------------------------------------
 
@@ -181,24 +197,30 @@ class LocalEngine:
         """Relabel the loaded weights (SGLang's `/update_weight_version`); tokens generated from
         now on carry `version`."""
         self._version = version
+        self._received = set()
 
     def update_weights(self, update: WeightUpdate) -> None:
-        """Load a state dict (all tensors, or a subset for bucketed updates) or a
-        `save_pretrained` folder; interrupts running requests, which continue under the new
-        weights."""
+        """Load a state dict or a `save_pretrained` folder; interrupts running requests, which
+        continue under the new weights. A bucketed update sends a subset of the tensors per call:
+        calls that keep the version accumulate, and the call that changes it must complete the
+        model's tensors since the last change (a missing name is a ValueError, never a silent
+        partial update)."""
         was_paused = self._paused
         self.pause()
         try:
             if update.state_dict is not None:
-                self._load_state_dict(update.state_dict)
+                state = update.state_dict
             elif update.path is not None:
-                loaded = AutoModelForCausalLM.from_pretrained(update.path, dtype=self.model.dtype)
-                self._load_state_dict(loaded.state_dict())
+                state = AutoModelForCausalLM.from_pretrained(
+                    update.path, dtype=self.model.dtype).state_dict()
             else:
                 raise ValueError(
                     "the local engine takes weights as a state dict or a folder; the "
                     "distributed group path belongs to the SGLang-protocol server"
                 )
+            received = self._covered(set(state), update.version)
+            self._load_state_dict(state)
+            self._received = received if update.version == self._version else set()
             self._version = update.version
         finally:
             if not was_paused:
@@ -406,16 +428,33 @@ class LocalEngine:
             config=self.model.config,
         )
 
-    def _load_state_dict(self, state_dict) -> None:
-        # A subset of the tensors is allowed (bucketed updates send a few at a time); a name the
-        # model does not have is an error, which also catches prefixes such as "_orig_mod.".
-        unexpected = sorted(set(state_dict) - set(self.model.state_dict()))
+    def _covered(self, names: set[str], version: int) -> set[str]:
+        """The names received with this update's; refuses an update that names no tensor or one
+        the model lacks (e.g. an "_orig_mod." prefix), and a version change that would leave
+        tensors of the model not sent since the last change."""
+        if not names:
+            raise ValueError("weights do not fit the model: the update holds no tensors")
+        unexpected = names - self._aliases.keys()
         if unexpected:
-            raise ValueError(f"weights do not fit the model: unexpected names {unexpected[:5]}")
+            raise ValueError(f"weights do not fit the model: unexpected names {_some(unexpected)}")
+        received = self._received | names
+        missing = {n for n, aliases in self._aliases.items() if not aliases & received}
+        if missing and version != self._version:
+            raise ValueError(f"weights do not fit the model: version {version} would leave "
+                             f"tensors not updated since version {self._version}: "
+                             f"missing names {_some(missing)}")
+        return received
+
+    def _load_state_dict(self, state_dict) -> None:
         try:
             self.model.load_state_dict(state_dict, strict=False)
         except RuntimeError as exc:  # shape mismatches
             raise ValueError(f"weights do not fit the model: {exc}") from exc
+
+
+def _some(names: set[str]) -> str:
+    """The first few of `names` and how many there are (a model has hundreds)."""
+    return f"{sorted(names)[:5]} ({len(names)} in all)"
 
 
 def _settle(future: concurrent.futures.Future, outcome: object) -> None:

@@ -10,10 +10,18 @@ defaults, status codes and response shapes follow SGLang's ``entrypoints/http_se
   grammars, ``n > 1`` or prompt logprobs. Such a field, or an unknown one, is refused with 400
   naming it, so a client never silently gets other semantics. Errors are SGLang's
   ``{"error": {"message": ...}}`` with status 400.
-- Weight versions are integers here (sent as strings). ``/update_weights_from_disk`` without
+- Weight versions are integers here (sent as strings), except SGLang's ``"default"`` of a server
+  started without ``--weight-version``. ``/update_weights_from_disk`` without
   ``weight_version`` bumps the version by one (SGLang keeps it), so tokens from the new weights
   never carry the old version; ``/update_weights_from_distributed`` without it keeps the version,
-  as SGLang does, because a bucketed update names the version on its last bucket only.
+  as SGLang does, because a bucketed update names the version on its last bucket only. The call
+  that changes the version must complete the model's tensors since the last change (the local
+  engine refuses a partial update; SGLang would load it silently).
+- ``/update_weights_from_distributed`` runs only inside a weight-update session
+  (``/begin_weight_update`` ... ``/end_weight_update``), one at a time, as in SGLang 0.5.23.
+- ``/health`` and ``/health_generate`` are SGLang's generation check: after `health_delay`
+  (SGLang: 1 s; here 0 by default) one greedy token through the engine, 200; a check that takes
+  longer than `health_timeout` (SGLang: 20 s) after that, e.g. held by a pause, answers 503.
 - ``meta_info.weight_versions`` is always sent (SGLang's current behaviour): half-open
   ``[start, end)`` spans over the output tokens, one per run of tokens from one version;
   ``weight_version`` is the last span's.
@@ -62,6 +70,9 @@ from areal_flow.types import (
 GREEDY_BELOW = 1e-6
 """SGLang samples greedily when 0 <= temperature < 1e-6."""
 HEALTH_CHECK_TIMEOUT_S = 20.0
+"""SGLang's ``HEALTH_CHECK_TIMEOUT``: a health check held longer (e.g. by a pause) answers 503."""
+DEFAULT_VERSION = -1
+"""The engine's version while the server reports SGLang's ``"default"`` (no version given yet)."""
 GROUP_TIMEOUT = datetime.timedelta(minutes=10)
 """How long joining the weight-update group and each broadcast may take."""
 PAUSE_MODES = ("abort", "retract", "in_place")
@@ -211,6 +222,17 @@ class _VersionUpdate:
 
 
 @attrs.frozen(kw_only=True)
+class _BeginUpdate:
+    selector: str = attrs.field(default="all",
+                                validator=attrs.validators.in_(("target", "draft", "all")))
+
+
+@attrs.frozen(kw_only=True)
+class _EndUpdate:
+    pass
+
+
+@attrs.frozen(kw_only=True)
 class _GroupInit:
     master_address: str
     master_port: int
@@ -292,16 +314,21 @@ _FINISH_REASONS = {
 }
 
 
+def label(version: int) -> str:
+    """A version as SGLang reports it."""
+    return "default" if version == DEFAULT_VERSION else str(version)
+
+
 def version_spans(versions: tuple[int, ...], current: int) -> list[dict[str, Any]]:
     """SGLang's ``weight_versions``: one half-open ``[start, end)`` span of output-token
     positions per run of tokens from one version (a single empty span when there are none)."""
     spans: list[dict[str, Any]] = []
-    for i, version in enumerate(map(str, versions)):
+    for i, version in enumerate(map(label, versions)):
         if spans and spans[-1]["version"] == version:
             spans[-1]["end"] = i + 1
         else:
             spans.append({"version": version, "start": i, "end": i + 1})
-    return spans or [{"version": str(current), "start": 0, "end": 0}]
+    return spans or [{"version": label(current), "start": 0, "end": 0}]
 
 
 def _result(success: bool, message: str, **extra: Any) -> JSONResponse:
@@ -316,8 +343,10 @@ class _Server:
     """Request handlers over one engine. New requests wait at a gate while generation is paused
     (as SGLang's tokenizer manager holds them); control calls that block run in worker threads."""
 
-    def __init__(self, engine: LocalEngine):
+    def __init__(self, engine: LocalEngine, health_delay: float, health_timeout: float):
         self.engine = engine
+        self.health_delay = health_delay
+        self.health_timeout = health_timeout
         self.stopping = False
         self.resumed = asyncio.Event()
         self.resumed.set()
@@ -332,6 +361,8 @@ class _Server:
         self.group: str | None = None
         self.group_pg: dist.ProcessGroup | None = None
         self.group_lock = asyncio.Lock()
+        self.updating = False
+        """A weight-update session is open (``/begin_weight_update``)."""
         self.pause_modes = {"abort": self._abort_and_drain, "retract": self._hold,
                             "in_place": self._hold}
 
@@ -345,14 +376,18 @@ class _Server:
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
         start = time.perf_counter()
+        await self._gate()
+        completion = await self._run(req, request)
+        return JSONResponse(self._reply(req, body, completion, time.perf_counter() - start))
+
+    async def _gate(self) -> None:
+        """Wait while generation is paused."""
         self.held += 1
         try:
             while not self.resumed.is_set():
                 await self.resumed.wait()
         finally:
             self.held -= 1
-        completion = await self._run(req, request)
-        return JSONResponse(self._reply(req, body, completion, time.perf_counter() - start))
 
     async def _run(self, req: GenerationRequest, request: Request | None = None) -> Completion:
         # Nothing here awaits before `submit`: a pause cannot slip between the gate and the engine.
@@ -414,16 +449,16 @@ class _Server:
     # -- health and information
 
     async def health(self, request: Request) -> Response:
-        return Response(status_code=503 if self.stopping else 200)
-
-    async def health_generate(self, request: Request) -> Response:
-        """One greedy token from ``[0]``; 503 while paused, stopping, or after 20 s."""
-        if self.stopping or not self.resumed.is_set():
+        """``/health`` and ``/health_generate``: one greedy token from ``[0]`` through the engine;
+        held while paused; 503 when stopping, or when it takes longer than `health_timeout`."""
+        await asyncio.sleep(self.health_delay)
+        if self.stopping:
             return Response(status_code=503)
         req = GenerationRequest(input_ids=[0], rid=f"HEALTH_CHECK_{uuid.uuid4().hex}",
                                 sampling=SamplingParams(max_new_tokens=1, temperature=0.0))
         try:
-            async with asyncio.timeout(HEALTH_CHECK_TIMEOUT_S):
+            async with asyncio.timeout(self.health_timeout):
+                await self._gate()
                 await self._run(req)
         except Exception:
             return Response(status_code=503)
@@ -437,7 +472,7 @@ class _Server:
             "served_model_name": self.engine.model_path,
             "is_generation": True,
             "preferred_sampling_params": None,
-            "weight_version": str(self.engine.version),
+            "weight_version": label(self.engine.version),
             "has_image_understanding": False,
             "has_audio_understanding": False,
             "model_type": getattr(config, "model_type", None),
@@ -478,15 +513,15 @@ class _Server:
 
     async def abort_request(self, request: Request) -> Response:
         body: _Abort = await _parse(request, _Abort)
-        self._abort(None if body.abort_all else body.rid)
+        self._abort("" if body.abort_all else body.rid)
         return Response(status_code=200)
 
-    def _abort(self, rid: str | None = None) -> None:
-        """Abort one in-flight request, or all of them. All is done request by request: the
-        engine applies an abort at its next step, and an engine-wide one would also hit a request
-        submitted in between. Unknown ids are ignored, as in SGLang."""
-        for target in list(self.inflight) if rid is None else [rid]:
-            if target in self.inflight:
+    def _abort(self, rid: str = "") -> None:
+        """Abort every in-flight request whose id starts with `rid` (all for ""), as SGLang
+        matches ids by prefix. Done request by request: the engine applies an abort at its next
+        step, and an engine-wide one would also hit a request submitted in between."""
+        for target in list(self.inflight):
+            if target.startswith(rid):
                 self.engine.abort(target)
 
     async def flush_cache(self, request: Request) -> Response:
@@ -527,6 +562,21 @@ class _Server:
         return JSONResponse({"success": True, "message": f"Weight version updated to "
                              f"{body.new_version}", "new_version": str(body.new_version)})
 
+    async def begin_weight_update(self, request: Request) -> Response:
+        await _parse(request, _BeginUpdate)
+        if self.updating:
+            return _result(False, "begin_weight_update called while a weight-update session is "
+                                  "already open")
+        self.updating = True
+        return _result(True, "Success")
+
+    async def end_weight_update(self, request: Request) -> Response:
+        await _parse(request, _EndUpdate)
+        if not self.updating:
+            return _result(False, "end_weight_update called without begin_weight_update")
+        self.updating = False
+        return _result(True, "Success")
+
     async def init_weights_update_group(self, request: Request) -> Response:
         body: _GroupInit = await _parse(request, _GroupInit)
         async with self.group_lock:  # blocks until every rank joins, so not the control lock
@@ -547,6 +597,9 @@ class _Server:
             dtypes = [_torch_dtype(d) for d in meta.dtypes]
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
+        if not self.updating:
+            return _result(False, "update_weights_from_distributed must run between "
+                                  "begin_weight_update() and end_weight_update()")
         async with self.group_lock:
             if self.group != meta.group_name:
                 return _result(False, f"not in weight update group {meta.group_name!r}; call "
@@ -563,7 +616,8 @@ class _Server:
                                  body.abort_all_requests)
             except Exception as exc:
                 return _result(False, f"Failed to update parameter online: {exc}")
-        return _result(True, f"Succeeded to update parameter online. Weight version is {version}.")
+        return _result(True, "Succeeded to update parameter online. Weight version is "
+                             f"{label(version)}.")
 
     async def destroy_weights_update_group(self, request: Request) -> Response:
         body: _GroupDestroy = await _parse(request, _GroupDestroy)
@@ -624,15 +678,17 @@ async def _bad_request(request: Request, exc: Exception) -> Response:
     return JSONResponse({"error": {"message": str(exc)}}, status_code=400)
 
 
-def build_app(engine: LocalEngine) -> Starlette:
+def build_app(engine: LocalEngine, *, health_delay: float = 0.0,
+              health_timeout: float = HEALTH_CHECK_TIMEOUT_S) -> Starlette:
     """The HTTP app over `engine` (the caller owns and closes the engine; ``app.state.server``
-    holds the handlers)."""
-    s = _Server(engine)
+    holds the handlers). A health check waits `health_delay` seconds first (SGLang: 1 s), then
+    answers 503 if its one-token generation (held by a pause, say) takes over `health_timeout`."""
+    s = _Server(engine, health_delay, health_timeout)
     post, get = ["POST"], ["GET"]
     routes = [
         Route("/generate", s.generate, methods=["POST", "PUT"]),
         Route("/health", s.health, methods=get),
-        Route("/health_generate", s.health_generate, methods=get),
+        Route("/health_generate", s.health, methods=get),
         Route("/model_info", s.model_info, methods=get),
         Route("/get_model_info", s.model_info, methods=get),  # SGLang's deprecated alias
         Route("/get_load", s.get_load, methods=get),
@@ -642,6 +698,8 @@ def build_app(engine: LocalEngine) -> Starlette:
         Route("/flush_cache", s.flush_cache, methods=["GET", "POST"]),
         Route("/update_weights_from_disk", s.update_weights_from_disk, methods=post),
         Route("/update_weight_version", s.update_weight_version, methods=post),
+        Route("/begin_weight_update", s.begin_weight_update, methods=post),
+        Route("/end_weight_update", s.end_weight_update, methods=post),
         Route("/init_weights_update_group", s.init_weights_update_group, methods=post),
         Route("/update_weights_from_distributed", s.update_weights_from_distributed, methods=post),
         Route("/destroy_weights_update_group", s.destroy_weights_update_group, methods=post),
@@ -651,12 +709,16 @@ def build_app(engine: LocalEngine) -> Starlette:
     return app
 
 
-def serve(model: str, host: str = "127.0.0.1", port: int = 30000, **engine_kwargs: Any) -> None:
-    """Load `model` into a `LocalEngine` and serve it until interrupted (SGLang's default port)."""
+def serve(model: str, host: str = "127.0.0.1", port: int = 30000, *,
+          weight_version: int | None = None, health_delay: float = 0.0,
+          health_timeout: float = HEALTH_CHECK_TIMEOUT_S, **engine_kwargs: Any) -> None:
+    """Load `model` into a `LocalEngine` and serve it until interrupted (SGLang's default port).
+    Without `weight_version` the server reports ``"default"``, as SGLang does."""
     import uvicorn
 
-    engine = LocalEngine(model, **engine_kwargs)
-    app = build_app(engine)
+    version = DEFAULT_VERSION if weight_version is None else weight_version
+    engine = LocalEngine(model, version=version, **engine_kwargs)
+    app = build_app(engine, health_delay=health_delay, health_timeout=health_timeout)
     try:
         uvicorn.run(app, host=host, port=port, log_level="warning")
     finally:

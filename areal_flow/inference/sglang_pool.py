@@ -17,30 +17,38 @@ the calling (trainer) thread until the loop has done them.
   continuation does not replay the random numbers that drew the first tokens.
 - **Failures.** A connection error, reset or timeout takes the server out of rotation (counted in
   ``dead_servers``) and the request is resubmitted elsewhere with the tokens it had before that
-  attempt; nothing already received is lost. Servers out of rotation are health-checked
-  (``GET /health``) by a periodic refresh and come back once they answer. Control calls retry
-  connection errors with backoff (stamina).
+  attempt; nothing already received is lost. So does a reply labelled with a version that is not
+  the pool's integer (SGLang's ``"default"``: the server restarted), whose tokens are dropped.
+  Servers out of rotation are health-checked (``GET /health``) by a periodic refresh and come back
+  once they answer. SGLang's ``/health`` generates one token after ~1 s and, while generation is
+  paused, is held and answers 503 after ~20 s: the health budget is 30 s, and no health check
+  runs while the pool itself is paused. Control calls retry connection errors with backoff
+  (stamina).
 - **Membership.** With `addresses_file` (one ``host:port`` a line), the file is re-read when it
   changes: new servers join, removed ones leave rotation (their in-flight requests finish). A
   server that joins, or comes back, first gets the latest weights: ``/update_weights_from_disk``
-  with the last folder and version, or, when the latest weights came over the weight-update group,
-  only the version label (``/update_weight_version``, after loading the last folder if there was
-  one). Limitation: such a server then generates with older weights than its label says, until the
-  next update from disk; the behavior logprobs stay exact, but the staleness filter sees the label.
-  A server that joins later is not in the weight-update group either: create a new group
-  (`areal_flow.runtime.weight_sync.connect`) when the set of servers changes. Catching a server up
-  holds the control lock, so a `pause` meanwhile waits for it; a joining server is not caught up
-  while the pool is paused (a weight update may be under way).
+  with the last folder and version, or, before any update, the version label
+  (``/update_weight_version``). When the latest weights came over the weight-update group, no
+  folder holds them: the server is *stale*, out of rotation (logged, and shown by `servers()` and
+  `stats()`), until an update reaches it whole: the next one from disk, or one over a new group
+  (`areal_flow.runtime.weight_sync.connect` includes stale servers). Catching a server up holds
+  the control lock, so a `pause` meanwhile waits for it; a joining server is not caught up while
+  the pool is paused (a weight update may be under way).
+- **Request ids.** Each attempt goes out under a fresh id: 32 hex digits, a dash, and the
+  request's own id: SGLang's ``/abort_request`` aborts every id that starts with the given one, so
+  no id sent may be a prefix of another.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import hashlib
 import logging
 import os
 import threading
+import uuid
 from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any
@@ -79,6 +87,8 @@ class _Server:
     routed: int = 0
     label: str | None = None
     """The weight version the server reports."""
+    stale: bool = False
+    """Answering, but without the latest weights (they came over a group it was not in)."""
 
     @property
     def url(self) -> str:
@@ -86,7 +96,7 @@ class _Server:
 
     @property
     def in_rotation(self) -> bool:
-        return self.listed and self.healthy
+        return self.listed and self.healthy and not self.stale
 
 
 @attrs.define(eq=False)
@@ -124,10 +134,9 @@ def _version(label: Any) -> int:
     try:
         return int(label)
     except (TypeError, ValueError):
-        raise GenerationError(
-            f"a server reports weight version {label!r}; the pool labels every server with its "
-            "integer version when the server joins"
-        ) from None
+        # the pool labels every server when it joins: this one restarted since (SGLang's
+        # "default"), so its weights are unknown
+        raise _ServerDown(f"it reports weight version {label!r}, not the pool's label") from None
 
 
 def _token_versions(meta: dict, n: int) -> list[int]:
@@ -170,7 +179,8 @@ class SGLangPool:
         request_timeout: seconds one ``/generate`` call may take (None: no limit).
         control_timeout: seconds a control call may take (weight loads, joining a group).
         connect_timeout: seconds to open a connection.
-        health_timeout: seconds a health check may take.
+        health_timeout: seconds a health check may take (SGLang's takes ~1 s, and up to ~20 s
+            before answering 503 while its generation is paused).
         no_server_timeout: seconds a request waits for a server in rotation before failing.
         retries: retries of a control call on connection errors, and resubmissions of one request
             after server failures (or unexplained aborts) without new tokens.
@@ -189,7 +199,7 @@ class SGLangPool:
         request_timeout: float | None = 3600.0,
         control_timeout: float = 600.0,
         connect_timeout: float = 5.0,
-        health_timeout: float = 5.0,
+        health_timeout: float = 30.0,
         no_server_timeout: float = 600.0,
         retries: int = 5,
         refresh_interval: float = 1.0,
@@ -256,16 +266,20 @@ class SGLangPool:
 
         launcher = None
         addresses = list(config.addresses) or None
+        version = 0
         if addresses is None and config.addresses_file is None:
-            commands = {"sglang": sglang_command, "areal-flow": serve_command}
+            serve = functools.partial(serve_command, dtype=config.dtype, device=config.device,
+                                      max_batch_size=config.max_batch_size)
+            commands = {"sglang": sglang_command, "areal-flow": serve}
             log_dir = Path(run_dir) / "servers" if run_dir is not None else None
             launcher = SGLangLauncher(model, gpus=config.server_gpus, tp_size=config.tp_size,
-                                      random_seed=seed, log_dir=log_dir,
-                                      command=commands[config.server_program])
+                                      random_seed=seed, weight_version=version,
+                                      deterministic_inference=config.deterministic,
+                                      log_dir=log_dir, command=commands[config.server_program])
             addresses = launcher.start()
         try:
             pool = cls(addresses, addresses_file=None if addresses else config.addresses_file,
-                       tokenizer=model)
+                       version=version, tokenizer=model)
         except BaseException:
             if launcher is not None:
                 launcher.stop()
@@ -345,27 +359,39 @@ class SGLangPool:
         self._call(self._refresh(force=True))
 
     def servers(self) -> list[dict[str, Any]]:
-        """The servers known now: address, whether in rotation, in-flight requests, version."""
+        """The servers known now: address, whether in rotation, answering (healthy), waiting for
+        weights it missed (stale), in-flight requests, version."""
         def snapshot() -> list[dict[str, Any]]:
             return [{"address": s.address, "in_rotation": s.in_rotation, "healthy": s.healthy,
-                     "inflight": s.inflight, "routed": s.routed, "weight_version": s.label}
+                     "stale": s.stale, "inflight": s.inflight, "routed": s.routed,
+                     "weight_version": s.label}
                     for s in self._servers.values()]
         return self._call(self._run(snapshot))
 
     def weight_group_size(self, ranks_per_server: int = 1) -> int:
-        """World size of a weight-update group over the servers in rotation now: the trainer plus
-        `ranks_per_server` (the servers' tp size) ranks per server."""
-        return self._call(self._run(lambda: 1 + ranks_per_server * len(self._rotation())))
+        """World size of a weight-update group over the answering servers now (stale ones too):
+        the trainer plus `ranks_per_server` (the servers' tp size) ranks per server."""
+        return self._call(self._run(lambda: 1 + ranks_per_server * len(self._answering())))
 
     def init_weight_group(self, master_address: str, master_port: int, backend: str = "nccl",
                           group_name: str = "weight_update_group", world_size: int | None = None,
                           ranks_per_server: int = 1) -> None:
-        """``/init_weights_update_group`` on every server in rotation (server i at rank offset
+        """``/init_weights_update_group`` on every answering server (server i at rank offset
         1 + i * ranks_per_server); blocks until the trainer joins as rank 0 too, so run it
         concurrently with that (`areal_flow.runtime.weight_sync.connect`). `world_size`, when
-        given, must match the servers in rotation."""
+        given, must match those servers."""
         self._call(self._init_group(master_address, master_port, backend, group_name, world_size,
                                     ranks_per_server))
+
+    def begin_weight_update(self, group_name: str = "weight_update_group") -> None:
+        """Open a weight-update session (``/begin_weight_update``) on every member of the group:
+        SGLang refuses ``/update_weights_from_distributed`` outside one. On failure, the sessions
+        opened are closed again."""
+        self._call(self._locked(lambda: self._begin_session(group_name)))
+
+    def end_weight_update(self, group_name: str = "weight_update_group") -> None:
+        """Close the session on every member (``/end_weight_update``), after the last bucket."""
+        self._call(self._locked(lambda: self._end_session(group_name)))
 
     def destroy_weight_group(self, group_name: str = "weight_update_group") -> None:
         self._call(self._destroy_group(group_name))
@@ -429,6 +455,7 @@ class SGLangPool:
             "generated_tokens": counts["generated_tokens"],
             "servers": sum(s.listed for s in self._servers.values()),
             "servers_healthy": len(self._rotation()),
+            "servers_stale": sum(s.listed and s.stale for s in self._servers.values()),
             "running": sum(s.inflight for s in self._servers.values()),
         }
 
@@ -459,14 +486,14 @@ class SGLangPool:
             server = await self._route(active)
             if self._paused:  # paused while waiting for a server: wait for resume first
                 continue
-            active.wire_rid = (active.request.rid if active.attempts == 0
-                               else f"{active.request.rid}.{active.attempts}")
+            active.wire_rid = f"{uuid.uuid4().hex}-{active.request.rid}"
             active.attempts += 1
             active.server, active.posted = server, True
             epoch = self._epoch
             server.inflight += 1
             try:
                 reply = await self._post_generate(server, self._body(active))
+                versions = _token_versions(reply["meta_info"], len(reply["output_ids"]))
             except _ServerDown as exc:
                 self._take_out(server, exc)
                 active.failures += 1
@@ -484,7 +511,7 @@ class SGLangPool:
                 server.inflight -= 1
                 active.posted = False
 
-            finish = self._extend(active, reply)
+            finish = self._extend(active, reply, versions)
             reason = _FINISH_REASONS.get(finish.get("type"))
             if reason is None:
                 raise GenerationError(f"unknown finish_reason from {server.address}: {finish}")
@@ -567,8 +594,8 @@ class SGLangPool:
                                   f"({response.status_code}): {_error_message(response)}")
         return response.json()
 
-    def _extend(self, active: _Active, reply: dict) -> dict:
-        """Append a reply's tokens to `active`; returns its finish_reason."""
+    def _extend(self, active: _Active, reply: dict, versions: list[int]) -> dict:
+        """Append a reply's tokens (made by `versions`) to `active`; returns its finish_reason."""
         meta = reply["meta_info"]
         tokens = list(reply["output_ids"])
         pairs = meta.get("output_token_logprobs") or []
@@ -576,7 +603,7 @@ class SGLangPool:
             raise GenerationError("'output_token_logprobs' does not match 'output_ids'")
         active.tokens += tokens
         active.logprobs += [float(p[0]) for p in pairs]
-        active.versions += _token_versions(meta, len(tokens))
+        active.versions += versions
         active.texts.append(reply.get("text"))
         if tokens:
             active.failures = active.stalls = 0
@@ -637,28 +664,65 @@ class SGLangPool:
                     if not done:
                         raise WeightUpdateError("no SGLang server was reachable to load "
                                                 f"{update.path}")
+                    self._caught_up(done)
                     self._disk = (update.path, update.version)
                     self._over_group = False
                 else:
                     meta = update.dist_meta
-                    members = self._groups.get(meta.group_name)
-                    if members is None:
-                        raise WeightUpdateError(f"no weight-update group {meta.group_name!r}; "
-                                                "call init_weight_group first")
+                    members = self._members(meta.group_name)
                     body = {"names": list(meta.names), "dtypes": list(meta.dtypes),
                             "shapes": [list(s) for s in meta.shapes],
-                            "group_name": meta.group_name, "weight_version": str(update.version),
-                            "abort_all_requests": True, "flush_cache": True}
+                            "group_name": meta.group_name, "abort_all_requests": True,
+                            "flush_cache": True}
+                    # Only the last bucket names the version: a stale member keeps its own
+                    # until then, and the server checks that the buckets completed the model.
+                    last = update.version != self._version
+                    if last:
+                        body["weight_version"] = str(update.version)
                     # every member takes part in the broadcast, so one that is gone is an error
                     await asyncio.gather(*(self._checked(s, "/update_weights_from_distributed",
                                                          body) for s in members))
-                    for server in members:
-                        server.label = str(update.version)
+                    if last:  # every member got every bucket of this version
+                        self._caught_up(members, str(update.version))
                     self._over_group = True
                 self._version = update.version
             finally:
                 if not was_paused:
                     await self._resume_locked()
+
+    def _caught_up(self, servers: list[_Server], label: str | None = None) -> None:
+        for server in servers:
+            if server.stale:
+                log.info("SGLang server %s has the latest weights: back in rotation",
+                         server.address)
+            server.stale = False
+            server.label = label or server.label
+
+    def _members(self, group_name: str) -> list[_Server]:
+        members = self._groups.get(group_name)
+        if members is None:
+            raise WeightUpdateError(f"no weight-update group {group_name!r}; call "
+                                    "init_weight_group first")
+        return members
+
+    async def _begin_session(self, group_name: str) -> None:
+        members = self._members(group_name)
+        results = await asyncio.gather(
+            *(self._checked(s, "/begin_weight_update", {"selector": "all"}) for s in members),
+            return_exceptions=True)
+        opened = [s for s, r in zip(members, results) if not isinstance(r, BaseException)]
+        if len(opened) < len(members):
+            await asyncio.gather(*(self._quietly(self._checked(s, "/end_weight_update", {}))
+                                   for s in opened))
+            raise next(r for r in results if isinstance(r, BaseException))
+
+    async def _end_session(self, group_name: str) -> None:
+        results = await asyncio.gather(  # every member is closed, even when one fails
+            *(self._checked(s, "/end_weight_update", {}) for s in self._members(group_name)),
+            return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
 
     async def _init_group(self, address: str, port: int, backend: str, group_name: str,
                           world_size: int | None, ranks_per_server: int) -> None:
@@ -666,10 +730,10 @@ class SGLangPool:
         # and pausing must not wait for that.
         if group_name in self._groups:
             raise WeightUpdateError(f"weight-update group {group_name!r} exists already")
-        members = self._rotation()
+        members = self._answering()
         size = 1 + ranks_per_server * len(members)
         if world_size is not None and world_size != size:
-            raise WeightUpdateError(f"the servers changed: {len(members)} in rotation, but a "
+            raise WeightUpdateError(f"the servers changed: {len(members)} answer, but a "
                                     f"group of world size {world_size} was asked for")
         self._groups[group_name] = members
         bodies = [{"master_address": address, "master_port": port,
@@ -693,6 +757,10 @@ class SGLangPool:
 
     def _rotation(self) -> list[_Server]:
         return [s for s in self._servers.values() if s.in_rotation]
+
+    def _answering(self) -> list[_Server]:
+        """Listed and answering: in rotation, or stale (a new weight-update group takes them)."""
+        return [s for s in self._servers.values() if s.listed and s.healthy]
 
     def _take_out(self, server: _Server, reason: object) -> None:
         if server.healthy:
@@ -783,7 +851,9 @@ class SGLangPool:
             for address, server in list(self._servers.items()):
                 if not server.listed and server.inflight == 0:
                     del self._servers[address]
-            waiting = [s for s in self._servers.values() if s.listed and not s.healthy]
+            # SGLang holds /health while generation is paused (503 after ~20 s): not then
+            waiting = [] if self._paused else [
+                s for s in self._servers.values() if s.listed and not s.healthy]
             answers = await asyncio.gather(*(self._answers(s) for s in waiting))
             answering = [s for s, ok in zip(waiting, answers) if ok]
             if answering:
@@ -830,12 +900,14 @@ class SGLangPool:
             log.info("SGLang server %s is not ready: %s", server.address, exc)
             return
         server.healthy = True
-        log.info("SGLang server %s is in rotation (weights version %s)", server.address,
-                 server.label)
+        if not server.stale:
+            log.info("SGLang server %s is in rotation (weights version %s)", server.address,
+                     server.label)
 
     async def _catch_up(self, server: _Server) -> None:
-        """Give a joining server the latest weights (see the module docstring)."""
+        """Give a joining server the latest weights, or mark it stale (module docstring)."""
         current = str(self._version)
+        server.stale = False
         if server.label == current:
             return
         if self._disk is not None and server.label != str(self._disk[1]):
@@ -844,14 +916,18 @@ class SGLangPool:
                 "model_path": path, "weight_version": str(version), "abort_all_requests": True,
                 "flush_cache": True})
             server.label = str(version)
-        if server.label != current:
-            if self._over_group:
-                log.warning("SGLang server %s joins after an update over the weight-update group "
-                            "and cannot get those weights; its weights are labelled version %s "
-                            "until the next update from disk", server.address, current)
-            await self._checked(server, "/update_weight_version",
-                                {"new_version": current, "abort_all_requests": True})
-            server.label = current
+        if server.label == current:
+            return
+        if self._over_group:
+            server.stale = True
+            log.warning("SGLang server %s joins after an update over the weight-update group, "
+                        "which it was not in: out of rotation until the next update from disk or "
+                        "over a new group (it has version %s, the pool %s)", server.address,
+                        server.label, current)
+            return
+        await self._checked(server, "/update_weight_version",  # no update yet: a label only
+                            {"new_version": current, "abort_all_requests": True})
+        server.label = current
 
 
 __all__ = ["GenerationError", "SGLangPool", "WeightUpdateError"]

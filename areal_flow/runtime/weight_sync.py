@@ -51,6 +51,10 @@ class WeightGroupPool(Protocol):
                           group_name: str, world_size: int | None = None,
                           ranks_per_server: int = 1) -> None: ...
 
+    def begin_weight_update(self, group_name: str) -> None: ...
+
+    def end_weight_update(self, group_name: str) -> None: ...
+
 
 def _gloo(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta):
     return dist.ProcessGroupGloo(store, rank, size, timeout)
@@ -188,32 +192,39 @@ def broadcast_buckets(
     `named_tensors` may be a generator (e.g. gathering FSDP shards lazily): at most two buckets
     are held at once. Generation is paused for the whole update, so no token comes from a mix of
     old and new tensors; every bucket but the last keeps the pool's current version, and the last
-    one sets `version`. The broadcasts run on the calling thread (NCCL orders them after the work
-    already queued on its current CUDA stream). If a server fails before it receives a bucket,
-    the broadcast waits out the group's timeout; destroy the group and `connect` again.
+    one sets `version`. The buckets go inside a weight-update session on every server of the
+    group (SGLang refuses them outside one), closed after the last bucket even on failure. The
+    broadcasts run on the calling thread (NCCL orders them after the work already queued on its
+    current CUDA stream). If a server fails or refuses a bucket before it receives it, the
+    broadcast waits out the group's timeout; destroy the group and `connect` again.
     """
     was_paused = pool.paused
     pool.pause()
     sent = 0
     try:
-        chunks = buckets(((n, t.detach().to(group.device).contiguous()) for n, t in named_tensors),
-                         bucket_bytes)
-        current = next(chunks, None)
-        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weight-sync") as ex:
-            while current is not None:
-                following = next(chunks, None)
-                meta = DistributedWeights(
-                    names=[n for n, _ in current],
-                    dtypes=[str(t.dtype).removeprefix("torch.") for _, t in current],
-                    shapes=[list(t.shape) for _, t in current],
-                    group_name=group.group_name,
-                )
-                label = version if following is None else pool.version
-                call = ex.submit(pool.update_weights, WeightUpdate(version=label, dist_meta=meta))
-                group.broadcast(t for _, t in current)
-                call.result()
-                sent += 1
-                current = following
+        pool.begin_weight_update(group.group_name)
+        try:
+            chunks = buckets(((n, t.detach().to(group.device).contiguous())
+                              for n, t in named_tensors), bucket_bytes)
+            current = next(chunks, None)
+            with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weight-sync") as ex:
+                while current is not None:
+                    following = next(chunks, None)
+                    meta = DistributedWeights(
+                        names=[n for n, _ in current],
+                        dtypes=[str(t.dtype).removeprefix("torch.") for _, t in current],
+                        shapes=[list(t.shape) for _, t in current],
+                        group_name=group.group_name,
+                    )
+                    label = version if following is None else pool.version
+                    call = ex.submit(pool.update_weights,
+                                     WeightUpdate(version=label, dist_meta=meta))
+                    group.broadcast(t for _, t in current)
+                    call.result()
+                    sent += 1
+                    current = following
+        finally:
+            pool.end_weight_update(group.group_name)
     finally:
         if not was_paused:
             pool.resume()
