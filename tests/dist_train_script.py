@@ -129,9 +129,9 @@ if __name__ == "__main__":
     config = TrainConfig(optim=OptimizerConfig(lr=1e-2), max_tokens_per_mb=mb_tokens,
                          ppo_minibatches=MINIBATCHES.get(kind, 1))
     if kind == "checked":  # on a GPU machine, would every collective's tensor be served?
-        from areal_flow.runtime.distributed import backend_for, served_device_types
+        from areal_flow.runtime.distributed import BACKENDS, served_device_types
 
-        seen = record_collective_devices(served_device_types(backend_for("cuda")))
+        seen = record_collective_devices(served_device_types(BACKENDS["cuda"]))
     engine = TrainEngine(model_dir, config)
     batch = fixed_batch(engine.model.config.vocab_size) if engine.rank == 0 else None
     if kind == "checked":

@@ -17,9 +17,8 @@ import torch
 import torch.distributed as dist
 
 
-def backend_for(device_type: str) -> str:
-    """The default group's backend string when the training device is of `device_type`."""
-    return "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
+BACKENDS = {"cpu": "gloo", "cuda": "cpu:gloo,cuda:nccl"}
+"""The default group's backend string by the training device's type."""
 
 
 def served_device_types(backend: str) -> set[str]:
@@ -32,9 +31,9 @@ def served_device_types(backend: str) -> set[str]:
 def init_distributed() -> tuple[int, int, torch.device]:
     """Join the process group torchrun describes, or make a one-process world; returns
     (rank, world size, this rank's training device)."""
-    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    cuda = torch.cuda.is_available()
     if not dist.is_initialized():
-        backend = backend_for(device_type)
+        backend = BACKENDS["cuda" if cuda else "cpu"]
         if "WORLD_SIZE" in os.environ:
             dist.init_process_group(backend)
         else:
@@ -43,7 +42,7 @@ def init_distributed() -> tuple[int, int, torch.device]:
                 port = s.getsockname()[1]
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}",
                                     rank=0, world_size=1)
-    if device_type == "cuda":
+    if cuda:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
     else:
