@@ -11,9 +11,10 @@ from attrs import validators as v
 
 from areal_flow import registry
 from areal_flow.config import InferenceConfig, OptimizerConfig, RolloutConfig, load, structure
+from areal_flow.algorithms.functional import flat_groups
 from areal_flow.reward.gsm8k import extract_answer, has_answer_format
 from areal_flow.rollout.scheduler import RolloutScheduler
-from areal_flow.run import RunConfig
+from areal_flow.run import RunConfig, peak_rss_gb
 from areal_flow.runtime.engine import TrainConfig, TrainEngine
 from areal_flow.types import SamplingParams
 from areal_flow.workflow.rlvr import RLVRConfig
@@ -115,6 +116,9 @@ def batch_metrics(cfg: RLConfig, batch, scheduler: RolloutScheduler) -> dict[str
     rewards = batch["rewards"].float()
     lengths = batch["loss_mask"].sum(-1).float()
     out = {"reward/mean": rewards.mean().item(), "reward/std": rewards.std().item(),
+           # groups whose rewards are all equal: no advantage, nothing to learn from
+           "reward/flat_group_fraction": flat_groups(rewards, batch["group_ids"]).float().mean()
+           .item(),
            "response_length/mean": lengths.mean().item(),
            "response_length/max": lengths.max().item()}
     grades = [_grade(text, scheduler.dataset[i].get(cfg.answer_field))
@@ -124,6 +128,7 @@ def batch_metrics(cfg: RLConfig, batch, scheduler: RolloutScheduler) -> dict[str
         if values:
             out[key] = sum(values) / len(values)
     out["sample_ids"] = sorted(set(batch["sample_ids"].tolist()))  # for exact-resume checks
+    out["memory/peak_rss_gb"] = peak_rss_gb()
     lags = batch["policy_version"][:, None] - batch["versions"]
     out["staleness/mean"] = lags[batch["loss_mask"]].float().mean().item()
     return out

@@ -10,6 +10,7 @@ cleanly through `StopRequest`; `RunConfig` holds the options every recipe shares
 from __future__ import annotations
 
 import json
+import resource
 import shutil
 import signal
 import threading
@@ -169,6 +170,12 @@ class RunDir:
         with open(self.path / name, "a") as f:
             for record in records:
                 f.write(json.dumps(record, default=float) + "\n")
+
+
+def peak_rss_gb() -> float:
+    """This process's peak resident memory so far, in GB (launched servers and reward workers
+    are other processes)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
 class StopRequest:

@@ -315,7 +315,8 @@ class Episode:
 @attrs.frozen(kw_only=True)
 class ModelOutput:
     """What a forward pass gives an algorithm, aligned with the batch's ``input_ids``
-    (position t holds the quantity for token t given tokens < t; position 0 is zero)."""
+    (position t holds the quantity for token t given tokens < t). Log-probs and entropy are
+    computed only where ``loss_mask`` is set and are 0 elsewhere (position 0 always)."""
 
     logprobs: torch.Tensor
     """[rows, tokens] log-probability of each given token at the episode's temperature."""
@@ -351,6 +352,12 @@ class Algorithm(Protocol):
     Batch keys besides the collated ones (`areal_flow.data.collate`): ``policy_version`` per row
     (the version being trained, set by the scheduler) and ``minibatch_progress`` per row (the
     fraction of this batch's optimizer steps already taken, set by the runtime).
+
+    Optional attributes the runtime reads (absent means False): ``needs_entropy_grad`` (the loss
+    differentiates `ModelOutput.entropy`; otherwise entropy comes without gradient, for stats)
+    and ``skips_zero_advantage_rows`` (a row whose ``advantages`` are all 0 contributes nothing
+    to the gradient, so the runtime skips its forward and backward, still counting it in the
+    normalizer).
     """
 
     roles: tuple[Role, ...]

@@ -26,7 +26,7 @@ from areal_flow.algorithms.sft import SFT, SFTConfig
 from areal_flow.config import OptimizerConfig
 from areal_flow.data import offline
 from areal_flow.data.sft import collate_sft
-from areal_flow.run import LiveDisplay, RunConfig, RunDir, StopRequest
+from areal_flow.run import LiveDisplay, RunConfig, RunDir, StopRequest, peak_rss_gb
 from areal_flow.runtime.distributed import (any_rank, init_distributed, same_on_all_ranks,
                                             shutdown_distributed)
 from areal_flow.runtime.engine import TrainConfig, TrainEngine
@@ -92,7 +92,8 @@ def main(cfg: Config) -> None:
                     seconds = time.perf_counter() - began
                     metrics = {**stats, "epoch": (step + 1) * cfg.batch_size / len(train_chats),
                                "seconds/step": seconds,
-                               "tokens_per_second": batch["attention_mask"].sum().item() / seconds}
+                               "tokens_per_second": batch["attention_mask"].sum().item() / seconds,
+                               "memory/peak_rss_gb": peak_rss_gb()}
                     if eval_nll is not None:
                         metrics["eval/nll"] = eval_nll
                     run.log_metrics(step + 1, metrics)

@@ -21,9 +21,9 @@ def world():
         dist.destroy_process_group()
 
 
-def engine(model_dir, **config) -> TrainEngine:
+def engine(model_dir, lr: float = 1e-2, **config) -> TrainEngine:
     torch.manual_seed(0)
-    return TrainEngine(model_dir, TrainConfig(optim=OptimizerConfig(lr=1e-2), **config))
+    return TrainEngine(model_dir, TrainConfig(optim=OptimizerConfig(lr=lr), **config))
 
 
 def params(e: TrainEngine) -> dict[str, torch.Tensor]:
@@ -80,11 +80,45 @@ def test_a_nonfinite_step_stops_the_run_naming_the_step(world, tiny_model_dir):
         e.train(batch, NaNLoss())
 
 
-def test_skipping_nonfinite_steps_is_an_explicit_choice_and_is_counted(world, tiny_model_dir):
-    e = engine(tiny_model_dir, skip_nonfinite=True)
-    before = params(e)
-    with pytest.warns(RuntimeWarning, match="step skipped"):
-        stats = e.train(fixed_batch(e.model.config.vocab_size), NaNLoss())
-    assert stats["skipped_step"] == 1.0 and e.steps == 0
-    after = params(e)
-    assert all(torch.equal(before[k], after[k]) for k in before)
+def grpo_batch(vocab: int, flat_groups: list[int]):
+    """The fixed batch with GRPO's keys: the rewards of `flat_groups` are equal (A = 0)."""
+    batch = fixed_batch(vocab)
+    g = torch.Generator().manual_seed(1)
+    rewards = torch.rand(batch.batch_size[0], generator=g)
+    for group in flat_groups:
+        rewards[batch["group_ids"] == group] = 0.5
+    batch["rewards"] = rewards
+    batch["logprobs"] = -torch.rand(batch["logprobs"].shape, generator=g) * batch["loss_mask"]
+    batch["policy_version"] = torch.zeros(batch.batch_size[0], dtype=torch.long)
+    return batch
+
+
+@pytest.mark.parametrize("aggregation", ["token", "sequence"])
+def test_skipping_zero_advantage_rows_gives_the_same_step(world, tiny_model_dir, aggregation):
+    """Two steps: some groups flat, then all flat (AdamW still moves on momentum and the skipped
+    rows' zero gradient). Skipping their forward and backward changes nothing but the time: the
+    gradients agree to rounding (1e-6 relative), and so do the parameters after AdamW (lr 1e-3:
+    AdamW divides by |g|, so rounding in tiny gradients moves a parameter by up to ~lr·1e-4)."""
+    from areal_flow.algorithms.grpo import GRPO, GRPOConfig
+    from areal_flow.config import PolicyLossConfig
+
+    config = GRPOConfig(loss=PolicyLossConfig(recompute_proximal=False, aggregation=aggregation))
+    skipping, computing = GRPO(config), GRPO(config)
+    computing.skips_zero_advantage_rows = False
+    assert skipping.skips_zero_advantage_rows
+    a, b = engine(tiny_model_dir, 1e-3, max_tokens_per_mb=120), engine(tiny_model_dir, 1e-3)
+    vocab = a.model.config.vocab_size
+    for flat, skipped in (([0, 2, 3], 6), (list(range(6)), 12)):
+        batch = grpo_batch(vocab, flat)
+        stats_a, stats_b = a.train(batch, skipping), b.train(batch, computing)
+        assert (stats_a["train/skipped_rows"], stats_b["train/skipped_rows"]) == (skipped, 0)
+        assert stats_a["normalizer"] == stats_b["normalizer"]
+        assert stats_a["loss"] == pytest.approx(stats_b["loss"], abs=1e-7)
+        grads_a, grads_b = a.full_grads(), b.full_grads()
+        scale = max(g.abs().max().item() for g in grads_b.values())
+        assert (scale > 0) == (skipped < 12)  # an all-flat batch has no gradient at all
+        assert max((grads_a[k] - grads_b[k]).abs().max().item() for k in grads_b) <= 1e-6 * scale
+        end_a, end_b = params(a), params(b)
+        assert max((end_a[k] - end_b[k]).abs().max().item() for k in end_a) < 1e-6
+    start = params(engine(tiny_model_dir))
+    assert max((end_a[k] - start[k]).abs().max().item() for k in end_a) > 1e-4  # it did learn

@@ -4,6 +4,7 @@ SGLang-protocol servers; exact resume after a SIGTERM; clear errors for bad inpu
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -19,9 +20,11 @@ RECIPE = "gsm8k_grpo.py"
 
 
 FP32 = ("--inference.dtype", "float32", "--train.no-bf16")
-VARIED_REWARD = ("--reward", "tests.rewards_for_tests:completion_length")
+SAME_FIRST_BATCH = ("--reward", "tests.rewards_for_tests:completion_length",
+                    "--rollout.max-staleness", "0")
 """Rewards that differ within a group, so the first step has a gradient (the tiny model almost
-never earns a GSM8K reward, and flat groups have no advantage)."""
+never earns a GSM8K reward, and flat groups have no advantage); synchronous, so the first batch
+holds the first prompts whatever finishes first."""
 
 
 def tiny_args(model: Path, data: Path, run_dir: Path, *extra: str, fp32: bool = True) -> list[str]:
@@ -32,17 +35,30 @@ def tiny_args(model: Path, data: Path, run_dir: Path, *extra: str, fp32: bool = 
             "--train.optim.lr", "1e-3", *extra]
 
 
-def check_run_folder(run_dir: Path, steps: int) -> None:
+ROWS = 4  # --rollout.batch-size 2 x --rollout.group-size 2
+
+
+def check_run_folder(run_dir: Path, steps: int, *, rows_trained: bool = False) -> None:
+    """Every step's metrics are there and finite. The policy-loss statistics exist where a row
+    was trained: a step whose rows all had zero advantage (the tiny model rarely earns a GSM8K
+    reward) skips them all and has none; `rows_trained` says every step must have them."""
     lines = metrics(run_dir)
     trained = [m for m in lines if m["step"] > 0]
     assert [m["step"] for m in trained] == list(range(1, steps + 1))
     for m in trained:
-        for key in ("reward/mean", "loss", "grad_norm", "clip_fraction", "importance_weight_mean",
-                    "tokens_per_second", "seconds/train", "sync/send_seconds", "eval/accuracy",
-                    "response_length/mean", "staleness/mean", "format", "accuracy"):
+        for key in ("reward/mean", "loss", "grad_norm", "tokens_per_second", "seconds/train",
+                    "sync/send_seconds", "eval/accuracy", "response_length/mean",
+                    "staleness/mean", "format", "accuracy", "train/skipped_rows",
+                    "memory/peak_rss_gb", "reward/flat_group_fraction"):
             assert key in m, key
-        assert m["skipped_step"] == 0
-    assert_finite(run_dir, ("loss", "grad_norm", "reward/mean", "importance_weight_mean"))
+        assert m["skipped_step"] == 0 and 0 < m["memory/peak_rss_gb"] < 20
+        if m["train/skipped_rows"] < ROWS or rows_trained:
+            for key in ("clip_fraction", "importance_weight_mean", "train/padding_efficiency"):
+                assert key in m, key
+            assert math.isfinite(m["importance_weight_mean"])
+        else:  # every group flat: nothing to learn from, nothing computed
+            assert m["reward/flat_group_fraction"] == 1.0
+    assert_finite(run_dir, ("loss", "grad_norm", "reward/mean"))
     assert (run_dir / "config.yaml").read_text().count("batch_size: 2") == 1
     samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
     assert {"prompt", "completion", "reward"} <= set(samples[0])
@@ -52,13 +68,13 @@ def check_run_folder(run_dir: Path, steps: int) -> None:
 @pytest.fixture(scope="module")
 def one_process(tiny_model_dir, gsm8k_file, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("one_process") / "run"
-    result = run_recipe(RECIPE, tiny_args(tiny_model_dir, gsm8k_file, run_dir, *VARIED_REWARD))
+    result = run_recipe(RECIPE, tiny_args(tiny_model_dir, gsm8k_file, run_dir, *SAME_FIRST_BATCH))
     return run_dir, result
 
 
 def test_one_process(one_process):
     run_dir, result = one_process
-    check_run_folder(run_dir, 2)
+    check_run_folder(run_dir, 2, rows_trained=True)
     assert "done:" in result.stdout
 
 
@@ -66,9 +82,9 @@ def test_two_torchrun_ranks_give_the_one_process_first_step_loss(one_process, ti
                                                                  gsm8k_file, tmp_path):
     torchrun = (sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                 "--standalone")
-    run_recipe(RECIPE, tiny_args(tiny_model_dir, gsm8k_file, tmp_path / "run", *VARIED_REWARD),
+    run_recipe(RECIPE, tiny_args(tiny_model_dir, gsm8k_file, tmp_path / "run", *SAME_FIRST_BATCH),
                launcher=torchrun)
-    check_run_folder(tmp_path / "run", 2)
+    check_run_folder(tmp_path / "run", 2, rows_trained=True)
     one, two = metrics(one_process[0])[1], metrics(tmp_path / "run")[1]
     # rank 0 rolls out the same first batch in both worlds; only the training is split
     assert (one["sample_ids"], one["reward/mean"]) == (two["sample_ids"], two["reward/mean"])
@@ -80,8 +96,9 @@ def test_two_torchrun_ranks_give_the_one_process_first_step_loss(one_process, ti
 
 
 def test_the_shipped_bf16_defaults_run_end_to_end(tiny_model_dir, gsm8k_file, tmp_path):
-    run_recipe(RECIPE, tiny_args(tiny_model_dir, gsm8k_file, tmp_path / "run", fp32=False))
-    check_run_folder(tmp_path / "run", 2)
+    run_recipe(RECIPE, tiny_args(tiny_model_dir, gsm8k_file, tmp_path / "run", *SAME_FIRST_BATCH,
+                                 fp32=False))
+    check_run_folder(tmp_path / "run", 2, rows_trained=True)
     config = (tmp_path / "run" / "config.yaml").read_text()
     assert "bf16: true" in config and "dtype: bfloat16" in config
 

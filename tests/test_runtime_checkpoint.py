@@ -72,8 +72,9 @@ def test_weight_sync_makes_the_local_engine_match_the_trainer(world, tiny_model_
     finally:
         pool.close()
     ids = torch.tensor([[*prompt, *out.token_ids]])
+    completion = torch.arange(ids.shape[1])[None, :] >= len(prompt)
     rows = {"input_ids": ids, "attention_mask": torch.ones_like(ids, dtype=torch.bool),
-            "temperature": torch.tensor([0.8])}
+            "loss_mask": completion, "temperature": torch.tensor([0.8])}
     from tensordict import TensorDict
 
     mine = trainer.forward(TensorDict(rows, batch_size=[1]))["logprobs"][0, len(prompt):]
@@ -120,7 +121,8 @@ def test_role_forwards_fill_the_batch_and_the_critic_learns(world, tiny_model_di
 
 
 def test_warmup_and_a_non_finite_gradient_skip(world, tiny_model_dir):
-    config = TrainConfig(optim=OptimizerConfig(lr=1e-2, warmup_steps=4), max_tokens_per_mb=400)
+    config = TrainConfig(optim=OptimizerConfig(lr=1e-2, warmup_steps=4), max_tokens_per_mb=400,
+                         skip_nonfinite=True)  # without it the run stops (test_engine_steps.py)
     trainer = TrainEngine(tiny_model_dir, config)
     batch = fixed_batch(trainer.model.config.vocab_size)
     stats = trainer.train(batch, TokenNLL())
@@ -133,7 +135,8 @@ def test_warmup_and_a_non_finite_gradient_skip(world, tiny_model_dir):
                                 normalizer=result.normalizer, unit="tokens")
 
     before = trainer.full_state_dict()
-    stats = trainer.train(batch, Exploding())
+    with pytest.warns(RuntimeWarning, match="step skipped"):
+        stats = trainer.train(batch, Exploding())
     assert stats["skipped_step"] == 1.0 and trainer.steps == 1
     after = trainer.full_state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)

@@ -55,6 +55,11 @@ class GRPO:
         self.config = config or GRPOConfig()
         self.roles = (("actor",) if self.config.loss.recompute_proximal else ()) + \
             (("ref",) if self.config.kl_coef > 0 else ())
+        c = self.config
+        self.needs_entropy_grad = c.entropy_coef > 0
+        # a row with A = 0 adds nothing unless a KL or entropy term is in the loss
+        self.skips_zero_advantage_rows = (c.kl_coef == 0 or c.kl_in_reward) and \
+            c.entropy_coef == 0
 
     def advantages(self, batch):
         c = self.config
@@ -74,7 +79,4 @@ class GRPO:
         return batch
 
     def loss(self, out: ModelOutput, mb) -> LossOutput:
-        result = F.actor_loss(out, mb, self.config)
-        if "flat_group" in mb.keys():
-            result.stats["flat_group_fraction"] = mb["flat_group"].float().mean()
-        return result
+        return F.actor_loss(out, mb, self.config)

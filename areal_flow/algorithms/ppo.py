@@ -62,6 +62,10 @@ class PPO:
         self.config = config or PPOConfig()
         self.roles = (("actor",) if self.config.loss.recompute_proximal else ()) + \
             ("critic",) + (("ref",) if self.config.kl_coef > 0 else ())
+        c = self.config
+        self.needs_entropy_grad = c.entropy_coef > 0
+        self.skips_zero_advantage_rows = (c.kl_coef == 0 or c.kl_in_reward) and \
+            c.entropy_coef == 0
 
     def advantages(self, batch):
         c = self.config

@@ -28,6 +28,7 @@ from transformers import AutoModel, AutoModelForCausalLM, get_constant_schedule_
 
 from areal_flow.config import OptimizerConfig
 from areal_flow.runtime.distributed import init_distributed
+from areal_flow.runtime.logprobs import EntropyMode, LossPositions, loss_position_head
 from areal_flow.runtime.microbatch import assign_groups, micro_batches, split_to_count
 from areal_flow.types import Algorithm, ModelOutput, WeightUpdate
 
@@ -118,20 +119,23 @@ class TrainEngine:
 
     # -- forward passes -----------------------------------------------------------------
 
-    def outputs(self, mb: TensorDict) -> ModelOutput:
-        """Per-token logprobs and entropy at each row's temperature (values for a critic),
-        aligned with `input_ids`: position t is about token t given tokens < t; 0 is zero."""
+    def outputs(self, mb: TensorDict, entropy: EntropyMode = "metric") -> ModelOutput:
+        """Per-token logprobs (and entropy, as `entropy` asks) at each row's temperature, or
+        values for a critic, aligned with `input_ids`: position t is about token t given tokens
+        < t. Log-probs and entropy are computed only where `loss_mask` is set (0 elsewhere):
+        the LM head never runs over the whole vocabulary at every position (`logprobs.py`)."""
         ids = mb["input_ids"].to(self.device)
         mask = mb["attention_mask"].to(self.device)
         if self.value:
             values = _shift(self.model(ids, mask).float()[:, :-1])
             return ModelOutput(logprobs=torch.zeros_like(values), values=values)
-        logits = self.model(input_ids=ids, attention_mask=mask.long(), use_cache=False).logits
-        temperature = mb["temperature"].to(self.device).float()[:, None, None]
-        logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
-        token_logp = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
-        entropy = -(logp.exp() * logp).sum(-1)
-        return ModelOutput(logprobs=_shift(token_logp), entropy=_shift(entropy))
+        where = LossPositions.of(ids, mb["loss_mask"].to(self.device),
+                                 mb["temperature"].to(self.device))
+        with loss_position_head(self.model, where, entropy) as extra:
+            out = self.model(input_ids=ids, attention_mask=mask.long(), use_cache=False).logits
+        token, ent = (out[:, 0], out[:, 1]) if entropy == "grad" else (out, extra["entropy"])
+        return ModelOutput(logprobs=where.scatter(token, ids.shape),
+                           entropy=None if ent is None else where.scatter(ent, ids.shape))
 
     @torch.no_grad()
     def forward(self, batch: TensorDict) -> TensorDict:
@@ -139,23 +143,19 @@ class TrainEngine:
         (with their own rows) the same number of times, which `_plan` guarantees."""
         rows = batch.batch_size[0]
         logprobs = torch.zeros(batch["input_ids"].shape)
-        entropy = torch.zeros(batch["input_ids"].shape)
         values = torch.zeros(batch["input_ids"].shape)
         for mb_rows in self._plan(batch):
             if not mb_rows:
                 self._dummy_pass(backward=False)
                 continue
             mb = _trim(batch[torch.tensor(mb_rows)])
-            out = self.outputs(mb)
+            out = self.outputs(mb, entropy="none")
             width = mb["input_ids"].shape[1]
             index = torch.tensor(mb_rows)
             logprobs[index, :width] = out.logprobs.float().cpu()
-            if out.entropy is not None:
-                entropy[index, :width] = out.entropy.float().cpu()
             if out.values is not None:
                 values[index, :width] = out.values.float().cpu()
-        return TensorDict({"logprobs": logprobs, "entropy": entropy, "values": values},
-                          batch_size=[rows])
+        return TensorDict({"logprobs": logprobs, "values": values}, batch_size=[rows])
 
     # -- training -----------------------------------------------------------------------
 
@@ -188,26 +188,45 @@ class TrainEngine:
         for k, mini in enumerate(minis):
             # how far the weights have moved from pi_prox, for version-based approximations
             mini["minibatch_progress"] = torch.full((mini.batch_size[0],), k / len(minis))
-            for key, value in self._step(mini, algorithm.loss).items():
+            for key, value in self._step(
+                    mini, algorithm.loss,
+                    entropy="grad" if getattr(algorithm, "needs_entropy_grad", False) else "metric",
+                    skip_zero_advantage=getattr(algorithm, "skips_zero_advantage_rows", False),
+            ).items():
                 stats[key].append(value)
             if critic is not None and hasattr(algorithm, "critic_loss"):
                 for key, value in critic._step(mini, algorithm.critic_loss).items():
                     stats[f"critic/{key}"].append(value)
         return {k: sum(vs) / len(vs) for k, vs in stats.items()}
 
-    def _step(self, mini: TensorDict, loss_fn) -> dict[str, float]:
-        """One optimizer step over `mini` (this rank's rows)."""
+    def _step(self, mini: TensorDict, loss_fn, *, entropy: EntropyMode = "metric",
+              skip_zero_advantage: bool = False) -> dict[str, float]:
+        """One optimizer step over `mini` (this rank's rows).
+
+        With `skip_zero_advantage` (the algorithm's `skips_zero_advantage_rows`: no term but the
+        advantage-weighted one), rows whose advantages are all 0 get no forward or backward:
+        their loss and gradient are 0. Their share of the normalizer is still counted, from the
+        loss function run on their behavior log-probs (no model): their tokens for a `tokens`
+        unit, the row for `sequences`; a constant is unchanged. The step is the same as without
+        skipping (tests/test_engine_steps.py)."""
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = summed = peak = 0.0
         units: set[str] = set()
         sums: dict[str, float] = defaultdict(float)
-        count = 0
+        count = real = padded = 0
+        idle = mini[~mini["advantages"].ne(0).any(-1)] if skip_zero_advantage and \
+            mini.batch_size[0] else mini[:0]
+        if idle.batch_size[0]:
+            mini = mini[mini["advantages"].ne(0).any(-1)]
+            result = loss_fn(ModelOutput(logprobs=idle["logprobs"]), idle)
+            summed, peak = float(result.normalizer), float(result.normalizer)
+            units.add(result.unit)
         for mb_rows in self._plan(mini):
             if not mb_rows:
                 self._dummy_pass(backward=True)
                 continue
             mb = _trim(mini[torch.tensor(mb_rows)])
-            result = loss_fn(self.outputs(mb), mb.to(self.device))
+            result = loss_fn(self.outputs(mb, entropy), mb.to(self.device))
             result.loss_sum.backward()
             loss_sum += float(result.loss_sum.detach())
             summed += float(result.normalizer)
@@ -216,19 +235,26 @@ class TrainEngine:
             for key, value in result.stats.items():
                 sums[key] += float(value)
             count += 1
+            real += int(mb["attention_mask"].sum())
+            padded += mb["attention_mask"].numel()
         # (summed units, constant units) seen on any rank, so that every rank takes the same
         # decision below; a rank with only dummy passes has none
         kinds = [float(any(SUMMED_UNITS[u] for u in units)),
                  float(any(not SUMMED_UNITS[u] for u in units))]
-        totals = torch.tensor([loss_sum, summed, float(count)], dtype=torch.float64)
+        totals = torch.tensor([loss_sum, summed, float(count), float(idle.batch_size[0]),
+                               float(real), float(padded)], dtype=torch.float64)
         dist.all_reduce(totals)
         flags = torch.tensor([peak, *kinds], dtype=torch.float64)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         if flags[1] > 0 and flags[2] > 0:
             raise ValueError("the loss returned both summed (tokens, sequences) and constant "
                              "normalizer units in one optimizer step: they cannot be combined")
-        if totals[2] == 0:  # no rank has a row: an AdamW step would move on momentum alone
+        if totals[2] + totals[3] == 0:  # no rank has a row: AdamW would move on momentum alone
             return {"skipped_step": 1.0, "lr": self.scheduler.get_last_lr()[0]}
+        if totals[2] == 0:  # only skipped rows: the zero gradient they would have given
+            for p in self.model.parameters():
+                if p.grad is None and p.requires_grad:
+                    p.grad = torch.zeros_like(p)
         # tokens and sequences add up over micro-batches and ranks; a constant is what it is
         total_norm = float(flags[0]) if flags[2] > 0 else float(totals[1])
         scale = self.world_size / total_norm if total_norm > 0 else 0.0
@@ -254,7 +280,9 @@ class TrainEngine:
             self.steps += 1
         out = {"loss": loss,
                "grad_norm": grad_norm, "skipped_step": float(skipped),
-               "lr": self.scheduler.get_last_lr()[0], "normalizer": total_norm}
+               "lr": self.scheduler.get_last_lr()[0], "normalizer": total_norm,
+               "train/skipped_rows": float(totals[3]),
+               "train/padding_efficiency": float(totals[4] / totals[5]) if totals[5] else 1.0}
         for key, value in sums.items():
             out[key] = value / max(count, 1)
         return out

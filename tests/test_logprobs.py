@@ -1,0 +1,100 @@
+"""Log-probs and entropy computed only at the loss positions, in chunks, equal the full-vocabulary
+computation at every position: values and parameter gradients (random tiny models, fp32)."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from areal_flow.runtime import logprobs
+from areal_flow.runtime.logprobs import LossPositions, loss_position_head
+
+
+@st.composite
+def problems(draw):
+    vocab = draw(st.integers(8, 40))
+    config = LlamaConfig(vocab_size=vocab, hidden_size=8, intermediate_size=16,
+                         num_hidden_layers=draw(st.integers(1, 2)), num_attention_heads=2,
+                         num_key_value_heads=1, tie_word_embeddings=draw(st.booleans()))
+    rows, width = draw(st.integers(1, 4)), draw(st.integers(2, 10))
+    seed = draw(st.integers(0, 2**16))
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, width + 1, (rows,), generator=g)
+    attention = torch.arange(width)[None, :] < lengths[:, None]
+    loss_mask = attention & (torch.rand(rows, width, generator=g) < 0.6)
+    return {
+        "config": config, "seed": seed,
+        "ids": torch.randint(0, vocab, (rows, width), generator=g),
+        "attention": attention, "loss_mask": loss_mask,
+        "temperature": torch.tensor(draw(st.lists(st.sampled_from([0.6, 1.0, 1.7]),
+                                                  min_size=rows, max_size=rows))),
+        "chunk_tokens": draw(st.integers(1, 5)),
+        # weights of the logprob and entropy terms of a made-up loss, for the gradients
+        "a": torch.randn(rows, width, generator=g), "b": torch.randn(rows, width, generator=g),
+    }
+
+
+def full_reference(model, p):
+    """Every position, the whole vocabulary: the straightforward computation."""
+    logits = model(input_ids=p["ids"], attention_mask=p["attention"].long()).logits
+    logp = torch.log_softmax(logits[:, :-1].float() / p["temperature"][:, None, None], -1)
+    token = logp.gather(-1, p["ids"][:, 1:, None]).squeeze(-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    pad = torch.nn.functional.pad
+    mask = p["loss_mask"].clone()
+    mask[:, 0] = False
+    return pad(token, (1, 0)) * mask, pad(entropy, (1, 0)) * mask
+
+
+def at_loss_positions(model, p, entropy_mode):
+    where = LossPositions.of(p["ids"], p["loss_mask"], p["temperature"])
+    with loss_position_head(model, where, entropy_mode) as extra:
+        out = model(input_ids=p["ids"], attention_mask=p["attention"].long()).logits
+    token, ent = (out[:, 0], out[:, 1]) if entropy_mode == "grad" else (out, extra["entropy"])
+    shape = p["ids"].shape
+    return where.scatter(token, shape), (None if ent is None else where.scatter(ent, shape))
+
+
+def grads(model) -> dict[str, torch.Tensor]:
+    return {n: q.grad.clone() if q.grad is not None else torch.zeros_like(q)
+            for n, q in model.named_parameters()}
+
+
+@settings(max_examples=30, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])  # setattr each example
+@given(p=problems(), entropy_mode=st.sampled_from(["grad", "metric"]))
+def test_loss_position_logprobs_equal_the_full_computation(p, entropy_mode, monkeypatch):
+    # small chunks, so that a row's positions span several
+    monkeypatch.setattr(logprobs, "CHUNK_ELEMENTS", p["chunk_tokens"] * p["config"].vocab_size)
+    torch.manual_seed(p["seed"])
+    model = LlamaForCausalLM(p["config"]).float()
+
+    ref_token, ref_entropy = full_reference(model, p)
+    loss = (ref_token * p["a"]).sum() + (ref_entropy * p["b"]).sum() * (entropy_mode == "grad")
+    loss.backward()
+    expected = grads(model)
+    model.zero_grad(set_to_none=True)
+
+    token, entropy = at_loss_positions(model, p, entropy_mode)
+    torch.testing.assert_close(token, ref_token, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(entropy, ref_entropy, atol=1e-5, rtol=1e-5)
+    assert entropy.requires_grad == (entropy_mode == "grad")
+    loss = (token * p["a"]).sum() + ((entropy * p["b"]).sum() if entropy_mode == "grad" else 0)
+    loss.backward()
+    got = grads(model)
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_no_entropy_is_computed_when_none_is_asked(tiny_model_dir):
+    model = LlamaForCausalLM.from_pretrained(tiny_model_dir)
+    ids = torch.randint(0, model.config.vocab_size, (2, 6))
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    where = LossPositions.of(ids, mask, torch.ones(2))
+    with loss_position_head(model, where, "none") as extra:
+        out = model(input_ids=ids, attention_mask=mask.long()).logits
+    assert out.shape == (2 * 5,) and extra["entropy"] is None
+    # the model's own head is back afterwards
+    assert model(input_ids=ids).logits.shape == (2, 6, model.config.vocab_size)
