@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from os.path import commonprefix
 
 import pytest
 import torch
@@ -406,3 +407,123 @@ def test_rows_that_truncate_and_rows_that_do_not_sample_as_they_would_alone():
                  for i in range(len(params))]
         assert together.tolist() == alone
         assert together[0] == logits[0].argmax() and together[1] == logits[1].argmax()
+
+
+@pytest.fixture(scope="module")
+def unshared(tiny_model_dir):
+    eng = LocalEngine(tiny_model_dir, max_batch_size=16, share_prefix=False)
+    yield eng
+    eng.close()
+
+
+def group(prompt, size, **sampling) -> list[GenerationRequest]:
+    """A GRPO group: `size` requests with the same prompt and their own seeds."""
+    return [request(prompt, seed=100 + i, ignore_eos=True, **sampling) for i in range(size)]
+
+
+def generate_together(engine, requests):
+    """Generate `requests` admitted in one prefill: submitted while the engine is paused."""
+    engine.pause()
+    seqs = [engine.submit(r) for r in requests]
+    engine.resume()
+    return [s.future.result(timeout=120) for s in seqs]
+
+
+def assert_same_generations(outs, expected):
+    for out, exp in zip(outs, expected, strict=True):
+        assert out.token_ids == exp.token_ids and out.versions == exp.versions
+        torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(exp.logprobs),
+                                   atol=1e-5, rtol=0)
+
+
+def test_a_group_prefills_its_prompt_once_and_samples_as_without_sharing(engine, unshared):
+    a, b, c, d = list(range(30, 70)), list(range(100, 117)), [5, 6, 7], list(range(300, 340))
+    reqs = [*group(a, 4, temperature=1.0, max_new_tokens=12),
+            *group(b, 3, temperature=0.8, top_p=0.9, max_new_tokens=10),
+            request(c, temperature=0, max_new_tokens=6),
+            *group(d, 2, temperature=1.0, max_new_tokens=8)]  # as long as a: not a's group
+    engine.stats()
+    shared = generate_together(engine, reqs)
+    stats = engine.stats()
+    assert stats["prefill_tokens"] == len(a) + len(b) + len(c) + len(d)  # once per prompt
+    assert stats["prefill_shared_tokens"] == 3 * len(a) + 2 * len(b) + len(d)
+    unshared.stats()
+    alone = generate_together(unshared, reqs)
+    assert unshared.stats()["prefill_tokens"] == sum(len(r.input_ids) for r in reqs)
+    assert_same_generations(shared, alone)
+    assert len({o.token_ids for o in shared[:4]}) == 4  # each sample drew its own tokens
+
+
+def run_interrupted(engine, w1, first, late, late_at=3, switch_at=8):
+    """Generate `first` admitted together, `late` from step `late_at` on, switching to the
+    weights `w1` after step `switch_at` (pause, update, resume)."""
+    late_seqs, switched = [], threading.Event()
+    steps = iter(range(1, 10_000))
+
+    def hook(eng):
+        step = next(steps)
+        if step == late_at:
+            late_seqs.extend(eng.submit(r) for r in late)
+        if step == switch_at:
+            eng.pause(wait=False)
+            switched.set()
+
+    engine.on_step = hook
+    try:
+        engine.pause()
+        seqs = [engine.submit(r) for r in first]
+        engine.resume()
+        assert switched.wait(60)
+        engine.update_weights(WeightUpdate(version=1, state_dict=w1))
+        engine.stats()
+        engine.resume()
+        outs = [s.future.result(timeout=120) for s in [*seqs, *late_seqs]]
+        return outs, engine.stats()
+    finally:
+        engine.on_step = None
+
+
+def test_an_interrupted_group_reprefills_its_prompt_once_and_samples_as_without_sharing(
+        tiny_model_dir):
+    """Samples of a group resume with different tokens so far: the prompt (their longest common
+    context) is prefilled once, then each sample's own tokens, of different lengths (one sample
+    joined late), behind masked columns, and behind left padding for the shorter prompt's group.
+    Tokens and logprobs equal those without sharing."""
+    a, b = list(range(30, 60)), list(range(200, 211))
+    samples = group(a, 4, temperature=1.0, max_new_tokens=24)
+    first = [*samples[:3], *group(b, 2, temperature=0.9, max_new_tokens=20)]
+    w1 = perturbed(AutoModelForCausalLM.from_pretrained(tiny_model_dir), 0.05, seed=4)
+    results = {}
+    for share in (True, False):
+        engine = LocalEngine(tiny_model_dir, share_prefix=share)
+        try:
+            results[share] = run_interrupted(engine, w1, first, samples[3:])
+        finally:
+            engine.close()
+    (outs, stats), (expected, unshared_stats) = results[True], results[False]
+    assert_same_generations(outs, expected)
+    reqs = [*first, *samples[3:]]
+    contexts = [[*r.input_ids, *o.token_ids[:o.versions.index(1)]] for r, o in zip(reqs, outs)]
+    assert len({len(c) for c in contexts}) == 3  # a late sample, and a prompt of another length
+    assert unshared_stats["reprefill_tokens"] == sum(map(len, contexts))
+    lcp = [len(commonprefix([c for c, r in zip(contexts, reqs) if r.input_ids == tuple(prompt)]))
+           for prompt in (a, b)]
+    assert lcp[0] >= len(a) and lcp[1] >= len(b)
+    saved = 3 * lcp[0] + lcp[1]  # the prompt once per group, not once per sample
+    assert stats["reprefill_tokens"] == sum(map(len, contexts)) - saved
+    assert stats["prefill_shared_tokens"] == saved
+
+
+def test_sampled_tokens_follow_the_probabilities_and_stay_inside_the_truncation():
+    from areal_flow.inference.local import sample
+
+    n, logits = 20_000, torch.tensor([2.0, 1.0, 0.0, -1.0, -30.0, 0.5])
+    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.5, top_k=2)]
+    tokens, _ = sample(logits.repeat(2 * n, 1), [p for p in params for _ in range(n)],
+                       [torch.Generator().manual_seed(i) for i in range(2 * n)])
+    full, top2 = (torch.bincount(t, minlength=6) / n for t in tokens.split(n))
+    torch.testing.assert_close(full, torch.softmax(logits, -1), atol=0.015, rtol=0)
+    expected = torch.zeros(6)
+    expected[:2] = torch.softmax(logits[:2] / 0.5, -1)
+    torch.testing.assert_close(top2, expected, atol=0.015, rtol=0)
+    assert top2[2:].sum() == 0  # never a token outside the truncation

@@ -8,6 +8,10 @@ Interruption: `pause()` drops the KV cache and puts running requests back at the
 queue with their tokens so far; after `resume()` they are re-prefilled (prompt + tokens so far)
 under whatever weights are loaded then, so no token is decoded from a stale cache, and every
 token keeps the version that produced it. Callers of `generate` never see this.
+
+Prefix sharing: requests admitted together with the same prompt (a GRPO group) prefill their
+longest common context once and copy its KV rows for each; only what differs (tokens generated
+before an interruption) runs per request. Each still samples its first token on its own.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from os.path import commonprefix
 from pathlib import Path
 from typing import Literal
 
@@ -66,6 +71,8 @@ class LocalEngine:
         max_batch_size: most sequences decoded together; more requests wait in a queue.
         seed: seeds the sampling of requests that do not carry their own seed.
         version: the version of the weights loaded at start.
+        share_prefix: prefill a prompt shared by requests admitted together once (off: each
+            request prefills its whole context, for comparisons).
     """
 
     def __init__(
@@ -77,6 +84,7 @@ class LocalEngine:
         max_batch_size: int = 64,
         seed: int = 0,
         version: int = 0,
+        share_prefix: bool = True,
     ):
         if dtype not in DTYPES:
             raise ValueError(f"'dtype' must be one of {sorted(DTYPES)}: {dtype!r}")
@@ -89,6 +97,7 @@ class LocalEngine:
             self.model_path, dtype=DTYPES[dtype], attn_implementation="sdpa"
         ).to(self.device).eval()
         self.max_batch_size = max_batch_size
+        self.share_prefix = share_prefix
         self.max_length = getattr(self.model.config, "max_position_embeddings", None)
         eos = self.model.generation_config.eos_token_id
         eos = eos if isinstance(eos, list) else [eos]
@@ -238,6 +247,7 @@ class LocalEngine:
             "generated_tokens": delta["generated"],
             "prefill_tokens": delta["prefilled"],
             "reprefill_tokens": delta["reprefilled"],
+            "prefill_shared_tokens": delta["shared"],
             "tokens_per_s": delta["generated"] / max(now - then, 1e-9),
             "finished": delta["finished"],
             "interruptions": delta["interruptions"],
@@ -309,26 +319,59 @@ class LocalEngine:
             self._finish(seq, "abort")
 
     def _prefill(self, admitted: list[_Sequence]) -> None:
+        """Prefill `admitted` into the running batch: each group's (same prompt) longest common
+        context once, copied per request, then what differs in a second forward."""
         contexts = [seq.context for seq in admitted]
-        width = max(map(len, contexts))
-        ids = torch.full((len(contexts), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(contexts), width), dtype=torch.long)
-        for i, ctx in enumerate(contexts):
-            ids[i, width - len(ctx):] = torch.tensor(ctx)
-            mask[i, width - len(ctx):] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        out = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=(mask.cumsum(1) - 1).clamp(min=0),
-            use_cache=True,
-            logits_to_keep=1,  # only the last position samples; skip the vocab matmul elsewhere
-        )
-        self._totals.prefilled += sum(map(len, contexts))
-        # a sequence with tokens already was interrupted: its whole context is prefilled again
-        self._totals.reprefilled += sum(len(c) for c, s in zip(contexts, admitted) if s.tokens)
-        self._merge(out.past_key_values, mask, admitted)
-        self._sample_and_advance(out.logits[:, -1], first_row=len(self._running) - len(admitted))
+        groups: dict[object, list[int]] = {}
+        for i, seq in enumerate(admitted):
+            groups.setdefault(seq.request.input_ids if self.share_prefix else i, []).append(i)
+        members = list(groups.values())
+        group = {i: g for g, rows in enumerate(members) for i in rows}
+        prefixes = [commonprefix([contexts[i] for i in rows]) for rows in members]  # any sequences
+        cut = [len(prefixes[group[i]]) for i in range(len(admitted))]
+        ids, mask = self._left_padded(prefixes)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask),
+                         use_cache=True, logits_to_keep=1)  # only the last position samples
+        whole = [i for i, c in enumerate(contexts) if len(c) == cut[i]]
+        rest = [i for i, c in enumerate(contexts) if len(c) > cut[i]]
+        logits = []
+        if whole:  # the prefix is the whole context: copy its row and logits for each request
+            rows = [group[i] for i in whole]
+            if rows == list(range(len(prefixes))):
+                self._merge(out.past_key_values, mask, [admitted[i] for i in whole])
+            else:
+                self._merge(*self._rows(out.past_key_values, mask, rows),
+                            [admitted[i] for i in whole])
+            logits.append(out.logits[rows, -1])
+        suffixes = [contexts[i][cut[i]:] for i in rest]
+        if rest:  # the rest of each context runs after a copy of its group's prefix rows
+            cache, prefix_mask = self._rows(out.past_key_values, mask, [group[i] for i in rest])
+            ids, suffix_mask = self._left_padded(suffixes)
+            # left padding of the suffixes leaves masked columns between prefix and suffix
+            mask = torch.cat([prefix_mask, suffix_mask], dim=1)
+            out = self.model(input_ids=ids, attention_mask=mask,
+                             position_ids=_positions(mask)[:, -ids.shape[1]:],
+                             past_key_values=cache, use_cache=True, logits_to_keep=1)
+            self._merge(out.past_key_values, mask, [admitted[i] for i in rest])
+            logits.append(out.logits[:, -1])
+        ran = sum(map(len, prefixes)) + sum(map(len, suffixes))
+        self._totals.prefilled += ran
+        self._totals.shared += sum(map(len, contexts)) - ran
+        # a request with tokens already was interrupted: its context is prefilled again (only
+        # such requests have a suffix: their group's prefix holds at least the prompt)
+        self._totals.reprefilled += sum(map(len, suffixes)) + sum(
+            len(p) for p, rows in zip(prefixes, members) if any(admitted[i].tokens for i in rows))
+        self._sample_and_advance(torch.cat(logits), first_row=len(self._running) - len(admitted))
+
+    def _left_padded(self, seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids and attention mask of `seqs`, left-padded to the longest, on the device."""
+        width = max(map(len, seqs))
+        ids = torch.full((len(seqs), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        for i, seq in enumerate(seqs):
+            ids[i, width - len(seq):] = torch.tensor(seq)
+            mask[i, width - len(seq):] = 1
+        return ids.to(self.device), mask.to(self.device)
 
     def _decode(self) -> None:
         last = torch.tensor([[seq.tokens[-1]] for seq in self._running], device=self.device)
@@ -336,7 +379,7 @@ class LocalEngine:
         out = self.model(
             input_ids=last,
             attention_mask=self._mask,
-            position_ids=self._mask.sum(1, keepdim=True) - 1,
+            position_ids=self._mask.sum(1, keepdim=True) - 1,  # masked columns hold no position
             past_key_values=self._cache,
             use_cache=True,
         )
@@ -415,18 +458,17 @@ class LocalEngine:
         if not rows:
             self._cache, self._mask = None, None
             return
+        start = int(self._mask[rows].any(0).nonzero()[0])
+        self._cache, self._mask = self._rows(self._cache, self._mask, rows, start)
+
+    def _rows(self, cache: DynamicCache, mask: torch.Tensor, rows: list[int], start: int = 0):
+        """The cache and mask of `rows` (a row may repeat: copies of a shared prefix), from
+        column `start` on."""
         index = torch.tensor(rows, device=self.device)
-        mask = self._mask.index_select(0, index)
-        start = int(mask.any(0).nonzero()[0])
-        self._mask = mask[:, start:]
-        self._cache = DynamicCache(
-            ddp_cache_data=[
-                (layer.keys.index_select(0, index)[:, :, start:],
-                 layer.values.index_select(0, index)[:, :, start:])
-                for layer in self._cache.layers
-            ],
-            config=self.model.config,
-        )
+        layers = [(layer.keys.index_select(0, index)[:, :, start:],
+                   layer.values.index_select(0, index)[:, :, start:]) for layer in cache.layers]
+        return (DynamicCache(ddp_cache_data=layers, config=self.model.config),
+                mask.index_select(0, index)[:, start:])
 
     def _covered(self, names: set[str], version: int) -> set[str]:
         """The names received with this update's; refuses an update that names no tensor or one
@@ -452,6 +494,11 @@ class LocalEngine:
             raise ValueError(f"weights do not fit the model: {exc}") from exc
 
 
+def _positions(mask: torch.Tensor) -> torch.Tensor:
+    """Position ids of a left-padded batch: masked columns do not count."""
+    return (mask.cumsum(1) - 1).clamp(min=0)
+
+
 def _some(names: set[str]) -> str:
     """The first few of `names` and how many there are (a model has hundreds)."""
     return f"{sorted(names)[:5]} ({len(names)} in all)"
@@ -475,7 +522,11 @@ class _Counters:
     submitted: int = 0
     generated: int = 0
     prefilled: int = 0
+    """Context tokens run through the model to prefill (a shared prefix counts once)."""
     reprefilled: int = 0
+    """The part of `prefilled` run again for interrupted requests."""
+    shared: int = 0
+    """Context tokens whose prefill was saved by sharing a prefix."""
     finished: int = 0
     interruptions: int = 0
 
@@ -493,8 +544,10 @@ def sample(
     temperature = torch.tensor([p.logprob_temperature for p in params], device=logits.device)
     scaled = logits / temperature[:, None]
     logprobs = torch.log_softmax(scaled, dim=-1)
-    tokens = logits.argmax(dim=-1)
     sampled = [i for i, p in enumerate(params) if not p.greedy]
+    # argmax is another pass over the vocabulary: skipped when no row is greedy (RL batches)
+    tokens = (logits.argmax(dim=-1) if len(sampled) < len(params)
+              else torch.zeros(len(params), dtype=torch.long, device=logits.device))
     if sampled:
         probs = logprobs[sampled].exp()  # softmax(logits / T) already, for untruncated rows
         # truncation sorts the whole vocabulary: only for rows that ask for it
@@ -502,9 +555,15 @@ def sample(
         if cut:
             kept = truncate(scaled[sampled][cut], [params[sampled[row]] for row in cut])
             probs[cut] = torch.softmax(kept, dim=-1)
-        probs = probs.cpu()  # the generators are CPU generators
-        for row, i in enumerate(sampled):
-            tokens[i] = torch.multinomial(probs[row], 1, generator=generators[i]).item()
+        # Inverse CDF: one uniform per row from the row's own CPU generator (so a seed gives
+        # the same tokens in any batch and on any device), searched in the cumulative
+        # probabilities where they are; torch.multinomial drew an exponential per vocabulary
+        # entry on the CPU, and a row at a time. In float64, u·total stays strictly below the
+        # total, so the token found (first cdf > u·total) always has a positive probability.
+        u = torch.cat([torch.rand(1, generator=generators[i]) for i in sampled])
+        cdf = probs.double().cumsum(-1)
+        x = u.to(cdf)[:, None] * cdf[:, -1:]
+        tokens[sampled] = torch.searchsorted(cdf, x, right=True)[:, 0]
     return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
 
 
