@@ -210,8 +210,8 @@ PARENT = textwrap.dedent("""
     launcher = SGLangLauncher("m", gpus=[0], log_dir=sys.argv[1], command=lambda launcher, slot: [
         sys.executable, "-c", fake, "--port", str(slot.port)])
     launcher.start()
-    print(launcher.processes[0].pid, flush=True)
-    try:
+    try:  # the test signals once it has read the pid: from then on the handler must be inside
+        print(launcher.processes[0].pid, flush=True)
         time.sleep(600)
     except KeyboardInterrupt:
         print("interrupted", flush=True)
