@@ -214,10 +214,10 @@ class TrainEngine:
         units: set[str] = set()
         sums: dict[str, float] = defaultdict(float)
         count = real = padded = 0
-        idle = mini[~mini["advantages"].ne(0).any(-1)] if skip_zero_advantage and \
-            mini.batch_size[0] else mini[:0]
+        moves = mini["advantages"].ne(0).any(-1) if skip_zero_advantage and \
+            mini.batch_size[0] else torch.ones(mini.batch_size[0], dtype=torch.bool)
+        idle, mini = mini[~moves], mini[moves]
         if idle.batch_size[0]:
-            mini = mini[mini["advantages"].ne(0).any(-1)]
             result = loss_fn(ModelOutput(logprobs=idle["logprobs"]), idle)
             summed, peak = float(result.normalizer), float(result.normalizer)
             units.add(result.unit)
