@@ -10,7 +10,8 @@ import attrs
 from attrs import validators as v
 
 from areal_flow import registry
-from areal_flow.config import InferenceConfig, OptimizerConfig, RolloutConfig, load, structure
+from areal_flow.config import (InferenceConfig, OptimizerConfig, RolloutConfig, fast_bf16, load,
+                               structure)
 from areal_flow.algorithms.functional import flat_groups
 from areal_flow.reward.gsm8k import extract_answer, has_answer_format
 from areal_flow.rollout.scheduler import RolloutScheduler
@@ -43,7 +44,10 @@ class RLConfig(RunConfig):
     rollout: RolloutConfig = RolloutConfig(batch_size=2, group_size=8, max_staleness=1,
                                            max_concurrent=32)
     sampling: SamplingParams = SamplingParams(max_new_tokens=128, temperature=1.0)
-    train: TrainConfig = TrainConfig(optim=OptimizerConfig(lr=2e-5), bf16=True)
+    # 512-token micro-batches: on a CPU as fast as one big one, with a fraction of its
+    # activations (benchmarks/train_step.py); raise --train.max-tokens-per-mb on GPUs
+    train: TrainConfig = TrainConfig(optim=OptimizerConfig(lr=2e-5), bf16=fast_bf16(),
+                                     max_tokens_per_mb=512)
     inference: InferenceConfig = InferenceConfig()
 
 

@@ -149,6 +149,10 @@ class WeightUpdate:
     """A `save_pretrained` folder, for `/update_weights_from_disk`."""
     dist_meta: DistributedWeights | None = None
     """Tensors that follow over the weight-update group, for `/update_weights_from_distributed`."""
+    live: bool = False
+    """`state_dict` holds the trainer's own tensors, which it changes in place: an in-process
+    pool may keep them instead of copying (its `update_weights` returns True), and the trainer
+    then pauses it before each optimizer step; the next update resumes it (`TrainEngine`)."""
 
     def __attrs_post_init__(self) -> None:
         given = [f for f in ("state_dict", "path", "dist_meta") if getattr(self, f) is not None]
@@ -193,8 +197,9 @@ class GenerationPool(Protocol):
 
     def resume(self) -> None: ...
 
-    def update_weights(self, update: WeightUpdate) -> None:
-        """Load new weights and set `version` to ``update.version``."""
+    def update_weights(self, update: WeightUpdate) -> bool | None:
+        """Load new weights and set `version` to ``update.version``. True: the pool kept the
+        tensors of a `live` update instead of copying them."""
         ...
 
     def stats(self) -> dict[str, float]:

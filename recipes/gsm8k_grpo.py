@@ -36,8 +36,8 @@ class Config(gsm8k_rl.RLConfig):
 
     # Skip the forward pass that recomputes pi_prox. With one optimizer step per batch, stale
     # tokens get pi_prox = pi_theta before the step (exact); tokens of the current version get
-    # the engine's behavior logprobs (the same weights, but computed by the bf16 engine, so the
-    # ratio carries that rounding and may clip). Approximate with --train.ppo-minibatches > 1.
+    # the engine's behavior logprobs (the same weights, but computed by the engine, in bf16 where
+    # that is the default, so the ratio carries that rounding and may clip). Approximate with --train.ppo-minibatches > 1.
     algorithm: GRPOConfig = GRPOConfig(loss=PolicyLossConfig(recompute_proximal=False))
 
 
@@ -78,7 +78,9 @@ def main(cfg: Config) -> None:
         if extra:
             scheduler.load_state_dict(extra["scheduler"])
     weights = None if pool is None or pool.in_process else run.path / "weights"
-    if start > 0:  # the pool starts from the initial weights; give it the checkpoint's
+    # servers start from the initial weights: give them the checkpoint's; an in-process engine
+    # of the trainer's dtype then generates from the trainer's own tensors (no second copy)
+    if start > 0 or pool_class.in_process:
         trainer.sync_weights(pool, start, folder=weights)
 
     try:

@@ -21,7 +21,7 @@ from transformers import AutoTokenizer
 
 from areal_flow import gsm8k_rl, registry
 from areal_flow.algorithms.ppo import PPO, PPOConfig
-from areal_flow.config import OptimizerConfig, PolicyLossConfig, RolloutConfig
+from areal_flow.config import OptimizerConfig, PolicyLossConfig, RolloutConfig, fast_bf16
 from areal_flow.data import offline
 from areal_flow.reward.runner import RewardRunner
 from areal_flow.rollout.scheduler import RolloutScheduler
@@ -40,10 +40,11 @@ class Config(gsm8k_rl.RLConfig):
                                            max_concurrent=32)
     # Skip the forward pass that recomputes pi_prox. With one optimizer step per batch, stale
     # tokens get pi_prox = pi_theta before the step (exact); tokens of the current version get
-    # the engine's behavior logprobs (the same weights, but computed by the bf16 engine, so the
-    # ratio carries that rounding and may clip). Approximate with --train.ppo-minibatches > 1.
+    # the engine's behavior logprobs (the same weights, but computed by the engine, in bf16 where
+    # that is the default, so the ratio carries that rounding and may clip). Approximate with --train.ppo-minibatches > 1.
     algorithm: PPOConfig = PPOConfig(loss=PolicyLossConfig(recompute_proximal=False))
-    critic: TrainConfig = TrainConfig(optim=OptimizerConfig(lr=5e-5), bf16=True)
+    critic: TrainConfig = TrainConfig(optim=OptimizerConfig(lr=5e-5), bf16=fast_bf16(),
+                                      max_tokens_per_mb=512)  # as the actor's (gsm8k_rl)
     """The critic's training settings (a value head on the policy's backbone)."""
 
 
@@ -86,7 +87,9 @@ def main(cfg: Config) -> None:
         if extra:
             scheduler.load_state_dict(extra["scheduler"])
     weights = None if pool is None or pool.in_process else run.path / "weights"
-    if start > 0:  # the pool starts from the initial weights; give it the checkpoint's
+    # servers start from the initial weights: give them the checkpoint's; an in-process engine
+    # of the trainer's dtype then generates from the trainer's own tensors (no second copy)
+    if start > 0 or pool_class.in_process:
         trainer.sync_weights(pool, start, folder=weights)
 
     try:

@@ -23,7 +23,7 @@ from attrs import validators as v
 from transformers import AutoTokenizer
 
 from areal_flow.algorithms.sft import SFT, SFTConfig
-from areal_flow.config import OptimizerConfig
+from areal_flow.config import OptimizerConfig, fast_bf16
 from areal_flow.data import offline
 from areal_flow.data.sft import collate_sft
 from areal_flow.run import LiveDisplay, RunConfig, RunDir, StopRequest, peak_rss_gb
@@ -43,7 +43,8 @@ class Config(RunConfig):
     answer_field: str = "answer"
     """Dataset field with the assistant's turn (the target)."""
     algorithm: SFTConfig = SFTConfig()
-    train: TrainConfig = TrainConfig(optim=OptimizerConfig(lr=1e-5), bf16=True)
+    train: TrainConfig = TrainConfig(optim=OptimizerConfig(lr=1e-5), bf16=fast_bf16(),
+                                     max_tokens_per_mb=512)  # see gsm8k_rl.RLConfig.train
 
 
 def main(cfg: Config) -> None:

@@ -122,3 +122,20 @@ def test_skipping_zero_advantage_rows_gives_the_same_step(world, tiny_model_dir,
         assert max((end_a[k] - end_b[k]).abs().max().item() for k in end_a) < 1e-6
     start = params(engine(tiny_model_dir))
     assert max((end_a[k] - start[k]).abs().max().item() for k in end_a) > 1e-4  # it did learn
+
+
+def test_fused_adamw_takes_the_step_of_the_reference_implementation(world, tiny_model_dir):
+    """The runtime's fused AdamW (chosen for memory) against torch's per-parameter loop."""
+    fused, reference = engine(tiny_model_dir, 1e-3), engine(tiny_model_dir, 1e-3)
+    assert fused.optimizer.defaults["fused"]
+    o = reference.config.optim
+    reference.optimizer = torch.optim.AdamW(reference.model.parameters(), lr=o.lr, betas=o.betas,
+                                            weight_decay=o.weight_decay, foreach=False)
+    reference.scheduler = torch.optim.lr_scheduler.LambdaLR(reference.optimizer, lambda _: 1.0)
+    batch = fixed_batch(fused.model.config.vocab_size)
+    for _ in range(3):
+        fused.train(batch, TokenNLL())
+        reference.train(batch, TokenNLL())
+    start, a, b = params(engine(tiny_model_dir)), params(fused), params(reference)
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6
+    assert max((a[k] - start[k]).abs().max().item() for k in a) > 1e-3  # it moved

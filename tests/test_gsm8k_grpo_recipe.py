@@ -95,9 +95,10 @@ def test_two_torchrun_ranks_give_the_one_process_first_step_loss(one_process, ti
     assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4)
 
 
-def test_the_shipped_bf16_defaults_run_end_to_end(tiny_model_dir, gsm8k_file, tmp_path):
+def test_bf16_training_and_generation_run_end_to_end(tiny_model_dir, gsm8k_file, tmp_path):
+    """The recipes' default where bf16 is fast (`config.fast_bf16`), whatever this machine is."""
     run_recipe(RECIPE, tiny_args(tiny_model_dir, gsm8k_file, tmp_path / "run", *SAME_FIRST_BATCH,
-                                 fp32=False))
+                                 "--train.bf16", "--inference.dtype", "bfloat16", fp32=False))
     check_run_folder(tmp_path / "run", 2, rows_trained=True)
     config = (tmp_path / "run" / "config.yaml").read_text()
     assert "bf16: true" in config and "dtype: bfloat16" in config

@@ -82,6 +82,47 @@ def test_weight_sync_makes_the_local_engine_match_the_trainer(world, tiny_model_
     assert set(out.versions) == {1}
 
 
+def test_an_in_process_engine_generates_from_the_trainers_tensors(world, tiny_model_dir):
+    """One copy of the weights: after the first sync the engine reads the trainer's parameters.
+    While it decodes a long request, three optimizer steps change them in place; each engine
+    step records its version label and a weight checksum. A label never sees two sets of
+    weights (the optimizer step pauses the engine, the sync resumes it under the next version),
+    and the request runs on under each new version."""
+    trainer = engine(tiny_model_dir)
+    pool = LocalEngine(tiny_model_dir, max_batch_size=4)
+    seen: dict[int, set[float]] = {}
+    try:
+        assert trainer.shares_live_tensors
+        trainer.sync_weights(pool, 0)
+        mine = trainer.model.state_dict()
+        assert all(t.data_ptr() == mine[k].data_ptr() for k, t in pool.model.state_dict().items())
+        weight = mine["model.layers.0.mlp.down_proj.weight"]
+        pool.on_step = lambda e: seen.setdefault(e.version, set()).add(float(weight.sum()))
+        batch = fixed_batch(trainer.model.config.vocab_size)
+
+        async def run():
+            long = asyncio.create_task(pool.generate(GenerationRequest(
+                input_ids=[5, 6, 7], sampling=SamplingParams(max_new_tokens=1000, ignore_eos=True,
+                                                             seed=1))))
+            for version in (1, 2, 3):
+                while not seen.get(version - 1):  # until the engine decodes under this version
+                    assert not long.done(), "the request ended before all updates"
+                    await asyncio.sleep(0.001)
+                await asyncio.to_thread(trainer.train, batch, TokenNLL())
+                assert pool.paused  # by the optimizer step, until the sync
+                await asyncio.to_thread(trainer.sync_weights, pool, version)
+                assert not pool.paused
+            return await long
+
+        out = asyncio.run(run())
+    finally:
+        pool.close()
+    assert set(seen) == {0, 1, 2, 3}
+    assert all(len(sums) == 1 for sums in seen.values()), seen
+    assert len({s for sums in seen.values() for s in sums}) == 4  # the weights did change
+    assert list(out.versions) == sorted(out.versions) and out.versions[-1] == 3
+
+
 class Recorder(TokenNLL):
     """Declares every role and records what the runtime wrote into the batch before advantages."""
 
@@ -148,8 +189,13 @@ def test_bf16_and_activation_checkpointing_train(world, tiny_model_dir):
                                                            activation_checkpointing=True))
     bf16 = TrainEngine(tiny_model_dir, TrainConfig(max_tokens_per_mb=400, bf16=True))
     batch = fixed_batch(base.model.config.vocab_size)
+    calls = {}
+    for e in (base, checkpointed):  # a layer's MLP runs twice with recomputation
+        calls[e] = []
+        e.model.model.layers[0].mlp.register_forward_pre_hook(lambda *_, e=e: calls[e].append(1))
     for e in (base, checkpointed, bf16):
         e.train(batch, TokenNLL())
+    assert len(calls[checkpointed]) == 2 * len(calls[base]) > 0
     grads = [e.full_grads() for e in (base, checkpointed, bf16)]
     assert max((grads[0][k] - grads[1][k]).abs().max().item() for k in grads[0]) < 1e-6
     # bf16 compute: same direction, coarser numbers; master weights stay fp32

@@ -208,12 +208,16 @@ class LocalEngine:
         self._version = version
         self._received = set()
 
-    def update_weights(self, update: WeightUpdate) -> None:
+    def update_weights(self, update: WeightUpdate) -> bool:
         """Load a state dict or a `save_pretrained` folder; interrupts running requests, which
         continue under the new weights. A bucketed update sends a subset of the tensors per call:
         calls that keep the version accumulate, and the call that changes it must complete the
         model's tensors since the last change (a missing name is a ValueError, never a silent
-        partial update)."""
+        partial update).
+
+        A `live` update of every tensor, in the engine's dtype and device, is kept rather than
+        copied (no second copy of the weights in memory, nothing to copy at later updates);
+        returns True then. Its owner must pause the engine before changing them."""
         was_paused = self._paused
         self.pause()
         try:
@@ -228,12 +232,15 @@ class LocalEngine:
                     "distributed group path belongs to the SGLang-protocol server"
                 )
             received = self._covered(set(state), update.version)
-            self._load_state_dict(state)
+            kept = update.live and self._keep_tensors(state)
+            if not kept:
+                self._load_state_dict(state)
             self._received = received if update.version == self._version else set()
             self._version = update.version
         finally:
             if not was_paused:
                 self.resume()
+        return kept
 
     def stats(self) -> dict[str, float]:
         """Counters since the last call, plus current queue sizes."""
@@ -486,6 +493,18 @@ class LocalEngine:
                              f"tensors not updated since version {self._version}: "
                              f"missing names {_some(missing)}")
         return received
+
+    def _keep_tensors(self, state) -> bool:
+        """Make the model's parameters and buffers `state`'s tensors, when they all fit."""
+        own = self.model.state_dict()
+        if set(state) != set(own) or any(
+                (t.dtype, t.device, t.shape) != (own[k].dtype, own[k].device, own[k].shape)
+                for k, t in state.items()):
+            return False
+        if any(t.data_ptr() != own[k].data_ptr() for k, t in state.items()):
+            self.model.load_state_dict(state, assign=True)
+            self.model.requires_grad_(False)
+        return True
 
     def _load_state_dict(self, state_dict) -> None:
         try:

@@ -1,4 +1,5 @@
-"""The training process group, and the small collectives recipes and the run helpers share.
+"""The training process group, the batch's way to the ranks and back, and the small
+collectives recipes and the run helpers share.
 
 On a GPU machine the default group has a backend for each device its tensors live on: NCCL for
 CUDA tensors (FSDP2's gathers and reductions) and gloo for CPU tensors (micro-batch counts, loss
@@ -15,6 +16,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from tensordict import TensorDict
+
+from areal_flow.runtime.microbatch import groups_to_ranks
 
 
 BACKENDS = {"cpu": "gloo", "cuda": "cpu:gloo,cuda:nccl"}
@@ -69,3 +73,51 @@ def any_rank(flag: bool) -> bool:
     t = torch.tensor([float(flag)])
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
+
+
+def scatter_groups(batch: TensorDict | BaseException | None, rank: int,
+                   world_size: int) -> tuple[TensorDict, list[list[int]]]:
+    """Rank 0's batch, whole groups to ranks balanced by tokens; returns this rank's rows and
+    the row indices every rank owns (to gather them back). Rank 0 passes an exception (or None)
+    when its rollout failed: every rank raises instead of waiting for a batch."""
+    payload: list[Any] = [None]
+    if rank == 0:
+        if isinstance(batch, BaseException) or batch is None:
+            error = batch or RuntimeError("rank 0 called train() without a batch")
+            payload = [("error", repr(error))]
+        else:
+            payload = [("ok", groups_to_ranks(batch["group_ids"].tolist(),
+                                              batch["attention_mask"].sum(-1).tolist(),
+                                              world_size))]
+    if world_size > 1:
+        dist.broadcast_object_list(payload, src=0)  # small: row indices, or the error
+    status, owned = payload[0]
+    if status == "error":
+        raise RuntimeError(f"rank 0 failed before training: {owned}")
+    if world_size == 1:  # skip pickling the batch through an object collective
+        return batch[torch.tensor(owned[0], dtype=torch.long)], owned
+    shards = [batch[torch.tensor(rows, dtype=torch.long)] for rows in owned] \
+        if rank == 0 else None
+    received = [None]
+    dist.scatter_object_list(received, shards, src=0)
+    return received[0], owned
+
+
+def on_rank0(fn, shard: TensorDict, owned: list[list[int]], rank: int,
+             world_size: int) -> TensorDict:
+    """`fn` (e.g. the algorithm's advantages, which need whole groups and batch statistics) on
+    the full batch gathered on rank 0; every rank gets its own rows of the result back."""
+    if world_size == 1:
+        return fn(shard)
+    gathered = [None] * world_size if rank == 0 else None
+    dist.gather_object(shard, gathered, dst=0)
+    shards = None
+    if rank == 0:
+        full = fn(torch.cat([s for s in gathered if s.batch_size[0] > 0]))
+        bounds = [0]
+        for rows in owned:
+            bounds.append(bounds[-1] + len(rows))
+        shards = [full[bounds[i]:bounds[i + 1]] for i in range(world_size)]
+    received = [None]
+    dist.scatter_object_list(received, shards, src=0)
+    return received[0]

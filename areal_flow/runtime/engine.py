@@ -2,7 +2,10 @@
 
 Every rank runs the same code (`torchrun`; one process is a valid world). Rank 0 holds the
 full batch; `train` scatters whole groups balanced by tokens, runs the algorithm's role forwards
-and `advantages` (on rank 0, over the full batch), then its `loss` over micro-batches.
+and `advantages` (on rank 0, over the full batch), then its `loss` over micro-batches. Where
+the pieces live: the process group and the batch's way to the ranks and back in
+`distributed.py`, how rows are split into mini- and micro-batches in `microbatch.py`, the
+log-probs of the loss positions in `logprobs.py`, weight-update groups in `weight_sync.py`.
 
 Loss normalisation: each micro-batch's `loss_sum` is back-propagated unscaled; once all
 micro-batches of an optimizer step are done, the normalizers are summed over micro-batches and
@@ -27,9 +30,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoModel, AutoModelForCausalLM, get_constant_schedule_with_warmup
 
 from areal_flow.config import OptimizerConfig
-from areal_flow.runtime.distributed import init_distributed
+from areal_flow.runtime.distributed import init_distributed, on_rank0, scatter_groups
 from areal_flow.runtime.logprobs import EntropyMode, LossPositions, loss_position_head
-from areal_flow.runtime.microbatch import assign_groups, micro_batches, split_to_count
+from areal_flow.runtime.microbatch import micro_batches, minibatch_of_rows, split_to_count
 from areal_flow.types import Algorithm, ModelOutput, WeightUpdate
 
 
@@ -47,7 +50,8 @@ class TrainConfig:
     ppo_minibatches: int = attrs.field(default=1, validator=v.ge(1))
     """Optimizer steps per batch; the batch's groups are split evenly between them."""
     bf16: bool = False
-    """bf16 compute with fp32 master weights and fp32 gradient reduction."""
+    """bf16 compute with fp32 master weights and fp32 gradient reduction (the recipes turn it on
+    where bf16 is fast: `config.fast_bf16`)."""
     activation_checkpointing: bool = False
     """Recompute decoder-layer activations in backward to save memory."""
     skip_nonfinite: bool = False
@@ -87,6 +91,7 @@ class TrainEngine:
     def __init__(self, model: str | Path, config: TrainConfig, *, value: bool = False,
                  trainable: bool = True):
         self.rank, self.world_size, self.device = init_distributed()
+        _return_freed_memory()
         self.config = config
         self.value = value
         path = str(model)
@@ -94,6 +99,9 @@ class TrainEngine:
             path, dtype=torch.float32, attn_implementation="sdpa")
         if config.activation_checkpointing:
             (module.backbone if value else module).activation_checkpointing_enable()
+        # training mode: transformers recomputes checkpointed layers only when `module.training`
+        # (from_pretrained returns eval mode, where activation checkpointing silently does nothing)
+        module.train(trainable)
         module.to(self.device)
         # In a one-process fp32 world FSDP2 has nothing to shard and only copies every parameter
         # and gradient through its collective buffers (0.6x the speed of the bare model,
@@ -107,15 +115,20 @@ class TrainEngine:
                 fully_shard(layer, mp_policy=policy)
             fully_shard(module, mp_policy=policy)
         self.model = module
+        # `_unsharded_state` is then the parameters themselves, not gathered or moved copies
+        self.shares_live_tensors = not self.sharded and self.device == torch.device("cpu")
         self.optimizer = self.scheduler = None
         if trainable:
             o = config.optim
+            # fused: one kernel per parameter, no foreach temporaries the size of the model
             self.optimizer = torch.optim.AdamW(module.parameters(), lr=o.lr, betas=o.betas,
-                                               weight_decay=o.weight_decay)
+                                               weight_decay=o.weight_decay, fused=True)
             self.scheduler = get_constant_schedule_with_warmup(self.optimizer, o.warmup_steps)
         else:
             module.requires_grad_(False)
         self.steps = 0
+        self._readers: Any = None
+        """An in-process pool that generates from this model's own tensors (`sync_weights`)."""
 
     # -- forward passes -----------------------------------------------------------------
 
@@ -174,14 +187,14 @@ class TrainEngine:
                              "trainable=False)) / critic=TrainEngine(path, config, value=True)")
         if isinstance(batch, TensorDict):
             batch = batch.clone(recurse=False)  # a shallow copy: the caller's batch keeps its keys
-            batch["minibatch"] = _minibatch_of_rows(batch["group_ids"], self.config.ppo_minibatches)
-        shard, owned = self._scatter(batch)
+            batch["minibatch"] = minibatch_of_rows(batch["group_ids"], self.config.ppo_minibatches)
+        shard, owned = scatter_groups(batch, self.rank, self.world_size)
         outputs = {"actor": ("prox_logprobs", "logprobs"), "ref": ("ref_logprobs", "logprobs"),
                    "critic": ("values", "values")}
         for role in algorithm.roles:
             key, field = outputs[role]
             shard[key] = engines[role].forward(shard)[field]
-        shard = self._advantages_on_rank0(shard, owned, algorithm)
+        shard = on_rank0(algorithm.advantages, shard, owned, self.rank, self.world_size)
 
         stats: dict[str, list[float]] = defaultdict(list)
         minis = [shard[shard["minibatch"] == k] for k in range(self.config.ppo_minibatches)]
@@ -275,6 +288,8 @@ class TrainEngine:
             warnings.warn(f"{problem}: step skipped", RuntimeWarning, stacklevel=2)
             self.optimizer.zero_grad(set_to_none=True)
         else:
+            if self._readers is not None:  # held until `sync_weights` gives it the new version
+                self._readers.pause()
             self.optimizer.step()
             self.scheduler.step()
             self.steps += 1
@@ -312,7 +327,13 @@ class TrainEngine:
         sends them over the weight-update `group` (`weight_sync.WeightGroup`, bucketed broadcast
         to SGLang servers), or writes a `save_pretrained` `folder` for
         `/update_weights_from_disk`, or, given neither, hands the state dict over in memory (the
-        local engine). Returns the seconds it took, for the recipe's stats."""
+        local engine). Returns the seconds it took, for the recipe's stats.
+
+        An in-process engine of the same dtype keeps an unsharded model's live tensors instead
+        of a copy of them (`WeightUpdate.live`): no second copy of the weights, nothing copied
+        per step. From then on each optimizer step pauses it (interrupting its requests, as an
+        update does) and the next `sync_weights` resumes it under the new version, so call
+        this after every `train`, as the recipes do."""
         import time
 
         start = time.perf_counter()
@@ -329,7 +350,11 @@ class TrainEngine:
                 self.model.save_pretrained(folder, state_dict=state)
                 pool.update_weights(WeightUpdate(version=version, path=str(folder)))
             else:
-                pool.update_weights(WeightUpdate(version=version, state_dict=state))
+                kept = pool.update_weights(WeightUpdate(version=version, state_dict=state,
+                                                        live=self.shares_live_tensors))
+                if self._readers is not None:  # paused by the optimizer step
+                    self._readers.resume()
+                self._readers = pool if kept else None
         dist.barrier()
         done = time.perf_counter()
         return {"sync/gather_seconds": gathered - start, "sync/send_seconds": done - gathered}
@@ -384,47 +409,7 @@ class TrainEngine:
         torch.set_rng_state(trainer["rng"])
         return trainer["extra_state"]
 
-    # -- distribution -------------------------------------------------------------------
-
-    def _scatter(self, batch: TensorDict | BaseException | None) -> tuple[TensorDict, list]:
-        """Whole groups to ranks, balanced by tokens; returns this rank's rows and the row
-        indices every rank owns (for gathering back on rank 0)."""
-        payload = [None]
-        if self.rank == 0:
-            if isinstance(batch, BaseException) or batch is None:
-                error = batch or RuntimeError("rank 0 called train() without a batch")
-                payload = [("error", repr(error))]
-            else:
-                payload = [("ok", _partition(batch, self.world_size))]
-        if self.world_size > 1:
-            dist.broadcast_object_list(payload, src=0)  # small: row indices, or the error
-        status, owned = payload[0]
-        if status == "error":
-            raise RuntimeError(f"rank 0 failed before training: {owned}")
-        if self.world_size == 1:  # skip pickling the batch through an object collective
-            return batch[torch.tensor(owned[0], dtype=torch.long)], owned
-        shards = [batch[torch.tensor(rows, dtype=torch.long)] for rows in owned] \
-            if self.rank == 0 else None
-        received = [None]
-        dist.scatter_object_list(received, shards, src=0)
-        return received[0], owned
-
-    def _advantages_on_rank0(self, shard: TensorDict, owned: list, algorithm) -> TensorDict:
-        if self.world_size == 1:
-            return algorithm.advantages(shard)
-        gathered = [None] * self.world_size if self.rank == 0 else None
-        dist.gather_object(shard, gathered, dst=0)
-        shards = None
-        if self.rank == 0:
-            full = torch.cat([s for s in gathered if s.batch_size[0] > 0])
-            full = algorithm.advantages(full)
-            bounds = [0]
-            for rows in owned:
-                bounds.append(bounds[-1] + len(rows))
-            shards = [full[bounds[i]:bounds[i + 1]] for i in range(self.world_size)]
-        received = [None]
-        dist.scatter_object_list(received, shards, src=0)
-        return received[0]
+    # -- micro-batches -----------------------------------------------------------------
 
     def _plan(self, batch: TensorDict) -> list[list[int]]:
         """Micro-batches of this rank's rows; every rank gets the same number (empty lists are
@@ -446,6 +431,19 @@ class TrainEngine:
                 (out.float().sum() * 0.0).backward()
 
 
+def _return_freed_memory() -> None:
+    """Give freed tensors of 1 MiB and more back to the OS at once (glibc). By default glibc
+    raises its mmap threshold to the largest block freed so far, after which a step's freed
+    activations stay in its heap: resident, counted in the peak, reused only by luck (the
+    "freed memory" rows of benchmarks/train_step.py)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, 2**20)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):  # not glibc: its own policy
+        pass
+
+
 def _shift(t: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(t, (1, 0))
 
@@ -454,22 +452,3 @@ def _trim(mb: TensorDict) -> TensorDict:
     """Drop padding columns no row of this micro-batch uses (rows are right-padded)."""
     width = int(mb["attention_mask"].sum(-1).max())
     return mb.apply(lambda t: t[:, :width] if t.dim() > 1 else t, batch_size=mb.batch_size)
-
-
-def _partition(batch: TensorDict, world_size: int) -> list[list[int]]:
-    group_ids = batch["group_ids"].tolist()
-    lengths = batch["attention_mask"].sum(-1).tolist()
-    groups: dict[int, list[int]] = defaultdict(list)
-    for row, gid in enumerate(group_ids):
-        groups[gid].append(row)
-    order = list(groups)
-    tokens = [sum(lengths[r] for r in groups[g]) for g in order]
-    return [[r for gi in owned for r in groups[order[gi]]]
-            for owned in assign_groups(tokens, world_size)]
-
-
-def _minibatch_of_rows(group_ids: torch.Tensor, parts: int) -> torch.Tensor:
-    """Each row's mini-batch: whole groups dealt round-robin in order of first appearance,
-    decided on the full batch so that the split does not depend on the world size."""
-    order = {gid: k for k, gid in enumerate(dict.fromkeys(group_ids.tolist()))}
-    return torch.tensor([order[g] % parts for g in group_ids.tolist()], dtype=torch.long)

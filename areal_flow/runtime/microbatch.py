@@ -1,4 +1,5 @@
-"""Splitting a batch: whole groups across ranks, rows into micro-batches under a token budget.
+"""Splitting a batch: whole groups across ranks and mini-batches, rows into micro-batches
+under a token budget.
 
 Pure functions on lengths, so they are property-tested without processes. A micro-batch is
 padded to its longest row, so its cost is rows x longest row; sorting rows by length keeps that
@@ -8,7 +9,10 @@ padding small (sdpa on CPU has no padding-free varlen path).
 from __future__ import annotations
 
 import heapq
+from collections import defaultdict
 from collections.abc import Sequence
+
+import torch
 
 
 def assign_groups(group_tokens: Sequence[int], world_size: int) -> list[list[int]]:
@@ -24,6 +28,25 @@ def assign_groups(group_tokens: Sequence[int], world_size: int) -> list[list[int
         owned[rank].append(g)
         heapq.heappush(heap, (load + group_tokens[g], rank))
     return [sorted(groups) for groups in owned]
+
+
+def groups_to_ranks(group_ids: Sequence[int], lengths: Sequence[int],
+                    world_size: int) -> list[list[int]]:
+    """Per rank, the rows it trains: whole groups (`assign_groups`), in batch order."""
+    groups: dict[int, list[int]] = defaultdict(list)
+    for row, gid in enumerate(group_ids):
+        groups[gid].append(row)
+    order = list(groups)
+    tokens = [sum(lengths[r] for r in groups[g]) for g in order]
+    return [[r for gi in owned for r in groups[order[gi]]]
+            for owned in assign_groups(tokens, world_size)]
+
+
+def minibatch_of_rows(group_ids: torch.Tensor, parts: int) -> torch.Tensor:
+    """Each row's mini-batch: whole groups dealt round-robin in order of first appearance,
+    decided on the full batch so that the split does not depend on the world size."""
+    order = {gid: k for k, gid in enumerate(dict.fromkeys(group_ids.tolist()))}
+    return torch.tensor([order[g] % parts for g in group_ids.tolist()], dtype=torch.long)
 
 
 def padded_cost(lengths: Sequence[int], rows: Sequence[int]) -> int:
