@@ -116,6 +116,7 @@ def areal_flow_worker(p: dict, eta: int) -> dict:
         sampling=SamplingParams(max_new_tokens=p["max_new_tokens"], temperature=1.0,
                                 ignore_eos=tiny),
         workflow_config=workflow_config, shuffle=False, seed=p["seed"])
+    trainer.sync_weights(engine, 0)  # as the recipe: the engine then reads the trainer's weights
     loaded = time.perf_counter()
     steps, stamps = [], []
     engine.stats()  # count from here: nothing is generated before the scheduler starts

@@ -1,13 +1,19 @@
-"""One GRPO training step at the default recipe's shape, with each training-side saving on/off.
+"""One GRPO training step at the default recipe's shape: the runtime's defaults, each saving
+switched off in turn, and the runtime before them.
 
 A batch of 2 prompts x 8 completions (prompts ~200 tokens, completions 128, the loss on the
 completions only; one of the two groups flat, as early GSM8K batches mostly are), one optimizer
-step of `TrainEngine.train` with GRPO, bf16. Each configuration runs in a process of its own, so
-its peak resident memory is its own:
-  full head        the LM head and an fp32 log-softmax over the whole vocabulary at every
-                   position, entropy everywhere (the runtime before the loss-position head)
-  loss positions   log-probs only at the loss positions, chunked and recomputed in backward
-  + skip flat      and no forward/backward for rows whose advantages are all zero
+step of `TrainEngine.train` with GRPO, in the recipe's precision on this machine
+(`config.default_precision`). Each configuration runs in a process of its own, so its peak resident
+memory is its own:
+  before           the LM head and an fp32 log-softmax over the whole vocabulary at every
+                   position (entropy everywhere), every row, foreach AdamW, glibc's default
+                   mmap threshold, one 8,192-token micro-batch
+  defaults         log-probs only at the loss positions, chunked and recomputed in backward;
+                   no forward/backward for rows whose advantages are all zero; fused AdamW;
+                   freed tensors returned to the OS; 512-token micro-batches (the recipes')
+  - X              the defaults without X
+  + act. ckpt      the defaults with activation checkpointing
 
     python benchmarks/train_step.py [--quick] [--out benchmarks/results/train_step.json]
 """
@@ -27,8 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import main, markdown_table  # noqa: E402
 
-CONFIGS = {"full head": (False, False), "loss positions": (True, False),
-           "loss positions + skip flat": (True, True)}
+SAVINGS = ["loss positions", "skip flat rows", "fused AdamW", "freed memory", "512-token mb"]
+CONFIGS = {"before": set(), "defaults": set(SAVINGS),
+           **{f"- {x}": set(SAVINGS) - {x} for x in SAVINGS},
+           "+ act. ckpt": {*SAVINGS, "act. ckpt"}}
 
 
 def batch(vocab: int, prompts: int = 2, group: int = 8, prompt_len: int = 200,
@@ -56,12 +64,13 @@ def one(model: str, name: str, steps: int) -> dict:
     import resource
 
     from areal_flow.algorithms.grpo import GRPO, GRPOConfig
-    from areal_flow.config import OptimizerConfig, PolicyLossConfig
+    from areal_flow.config import OptimizerConfig, PolicyLossConfig, default_precision
+    from areal_flow.runtime import engine as engine_module
     from areal_flow.runtime.distributed import shutdown_distributed
     from areal_flow.runtime.engine import TrainConfig, TrainEngine
     from areal_flow.types import ModelOutput
 
-    loss_positions, skip = CONFIGS[name]
+    on = CONFIGS[name]
 
     class FullHead(TrainEngine):
         def outputs(self, mb, entropy="metric"):
@@ -72,10 +81,17 @@ def one(model: str, name: str, steps: int) -> dict:
             token = pad(logp.gather(-1, ids[:, 1:, None]).squeeze(-1), (1, 0))
             return ModelOutput(logprobs=token, entropy=pad(-(logp.exp() * logp).sum(-1), (1, 0)))
 
-    engine = (TrainEngine if loss_positions else FullHead)(
-        model, TrainConfig(optim=OptimizerConfig(lr=1e-6), bf16=True))
+    if "freed memory" not in on:
+        engine_module._return_freed_memory = lambda: None
+    engine = (TrainEngine if "loss positions" in on else FullHead)(model, TrainConfig(
+        optim=OptimizerConfig(lr=1e-6), bf16=default_precision() == "bfloat16",
+        max_tokens_per_mb=512 if "512-token mb" in on else 8192,
+        activation_checkpointing="act. ckpt" in on))
+    if "fused AdamW" not in on:
+        engine.optimizer = torch.optim.AdamW(engine.model.parameters(), lr=1e-6, foreach=True)
+        engine.scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda _: 1.0)
     algorithm = GRPO(GRPOConfig(loss=PolicyLossConfig(recompute_proximal=False)))
-    algorithm.skips_zero_advantage_rows = skip
+    algorithm.skips_zero_advantage_rows = "skip flat rows" in on
     data = batch(engine.model.config.vocab_size)
     engine.train(data, algorithm)  # warm-up
     start = time.perf_counter()
@@ -103,13 +119,17 @@ def run(quick: bool = False) -> dict:
                                       "5" if model == "tiny" else "2"],
                                      capture_output=True, text=True, check=True)
                 rows.append({"model": model, **json.loads(out.stdout.splitlines()[-1])})
-    return {"benchmark": "train_step", "rows": rows, "torch_threads": torch.get_num_threads()}
+    from areal_flow.config import default_precision
+
+    return {"benchmark": "train_step", "rows": rows, "torch_threads": torch.get_num_threads(),
+            "precision": default_precision()}
 
 
 def show(result: dict) -> None:
-    print("one GRPO step, 2 prompts x 8 completions, 200 + 128 tokens, bf16, "
-          f"{result['torch_threads']} threads\n")
-    base = {r["model"]: r for r in result["rows"] if r["config"] == "full head"}
+    print("one GRPO step, 2 prompts x 8 completions, 200 + 128 tokens, "
+          f"{result.get('precision', 'bfloat16')}, {result['torch_threads']} threads; speed-up and "
+          "memory against the runtime before these changes\n")
+    base = {r["model"]: r for r in result["rows"] if r["config"] in ("before", "full head")}
     print(markdown_table(
         ["model", "configuration", "s/step", "speed-up", "peak RSS GB", "skipped rows"],
         [[r["model"], r["config"], f"{r['seconds_per_step']:.2f}",
