@@ -27,7 +27,7 @@ TARGET = set(range(10, 60))  # the learnable reward of tests/test_learning.py
 FORMAT_WEIGHT = 0.5  # the recipe's default rlvr config
 
 
-def problems(quick: bool, tmp: Path, smollm2_steps: int) -> list[dict]:
+def problems(quick: bool, tmp: Path, smollm2_steps: int, default_shape: bool = False) -> list[dict]:
     from areal_flow.testing.tiny_model import build_tiny_model
 
     out = [{"name": "tiny", "model": str(build_tiny_model(tmp / "tiny")), "prompts": 4,
@@ -38,6 +38,8 @@ def problems(quick: bool, tmp: Path, smollm2_steps: int) -> list[dict]:
         out.append({"name": "smollm2", "model": str(packaged_smollm2()), "prompts": 2,
                     "group": 4, "max_new_tokens": 64, "lr": 2e-5, "steps": smollm2_steps,
                     "seed": 0})
+        if default_shape:  # the recipe's: 2 prompts x 8 completions x 128 tokens
+            out.append({**out[-1], "name": "smollm2-2x8x128", "group": 8, "max_new_tokens": 128})
     return out
 
 

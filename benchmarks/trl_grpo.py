@@ -168,7 +168,7 @@ def run(quick: bool = False) -> dict:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        for problem in problems(quick, tmp, smollm2_steps=3):
+        for problem in problems(quick, tmp, smollm2_steps=3, default_shape=True):
             runs = {"trl": {"framework": "trl"},
                     "areal_flow sync": {"framework": "areal_flow", "eta": 0},
                     "areal_flow async (eta=1)": {"framework": "areal_flow", "eta": 1}}
