@@ -224,8 +224,11 @@ PARENT = textwrap.dedent("""
 def test_the_parent_stopping_on_a_signal_stops_its_servers(tmp_path, signum, exit_status):
     """The handlers stop the servers, then chain to the previous ones (default SIGTERM ends the
     process; default SIGINT raises KeyboardInterrupt)."""
+    # SIGINT at its default, as in a terminal: a shell without job control starts background
+    # jobs (`cmd &`, CI runners) with SIGINT ignored, and the parent would inherit that
     parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tmp_path), FAKE_SERVER],
-                              stdout=subprocess.PIPE, text=True)
+                              stdout=subprocess.PIPE, text=True,
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         server = int(parent.stdout.readline())
         assert alive(server)
