@@ -124,13 +124,15 @@ class RunDir:
         """Exact-resume state of `trainer` (and `critic`, in `critic/`) with `extra`, plus the
         policy as a `save_pretrained` model in `hf/`; marked complete once all is on disk, then
         older checkpoints beyond `keep_checkpoints` are deleted. Every rank calls."""
+        from areal_flow.runtime import checkpoint
+
         path = self.checkpoint_dir(step)
         path.mkdir(parents=True, exist_ok=True)
-        trainer.save_checkpoint(path, extra_state=extra)
+        checkpoint.save_checkpoint(trainer, path, extra_state=extra)
         if critic is not None:
             (path / "critic").mkdir(exist_ok=True)
-            critic.save_checkpoint(path / "critic")
-        trainer.save_hf(path / "hf", tokenizer_from=tokenizer_from)
+            checkpoint.save_checkpoint(critic, path / "critic")
+        checkpoint.save_hf(trainer, path / "hf", tokenizer_from=tokenizer_from)
         if trainer.rank == 0:
             (path / COMPLETE).touch()
             if self.keep_checkpoints:
@@ -151,10 +153,12 @@ class RunDir:
         found = self.latest_checkpoint()
         if found is None:
             return 0, None
+        from areal_flow.runtime import checkpoint
+
         step, path = found
-        extra = trainer.load_checkpoint(path)
+        extra = checkpoint.load_checkpoint(trainer, path)
         if critic is not None:
-            critic.load_checkpoint(path / "critic")
+            checkpoint.load_checkpoint(critic, path / "critic")
         return step, extra
 
     def truncate_after(self, step: int) -> None:

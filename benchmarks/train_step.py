@@ -1,8 +1,9 @@
 """One GRPO training step at the default recipe's shape: the runtime's defaults, each saving
 switched off in turn, and the runtime before them.
 
-A batch of 2 prompts x 8 completions (prompts ~200 tokens, completions 128, the loss on the
-completions only; one of the two groups flat, as early GSM8K batches mostly are), one optimizer
+A batch of 2 prompts x 8 completions (prompts of 200 tokens, completions of 32 to 128, the
+loss on the completions only; one of the two groups flat, as early GSM8K batches mostly are), one
+optimizer
 step of `TrainEngine.train` with GRPO, in the recipe's precision on this machine
 (`config.default_precision`). Each configuration runs in a process of its own, so its peak resident
 memory is its own:
@@ -11,7 +12,9 @@ memory is its own:
                    mmap threshold, one 8,192-token micro-batch
   defaults         log-probs only at the loss positions, chunked and recomputed in backward;
                    no forward/backward for rows whose advantages are all zero; fused AdamW;
-                   freed tensors returned to the OS; 512-token micro-batches (the recipes')
+                   freed tensors returned to the OS; 512-token micro-batches (the recipes');
+                   rows packed end to end (no padding; off: right-padded rows, micro-batches
+                   of length-sorted rows under rows x longest <= 512)
   - X              the defaults without X
   + act. ckpt      the defaults with activation checkpointing
 
@@ -33,7 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import main, markdown_table  # noqa: E402
 
-SAVINGS = ["loss positions", "skip flat rows", "fused AdamW", "freed memory", "512-token mb"]
+SAVINGS = ["loss positions", "skip flat rows", "fused AdamW", "freed memory", "512-token mb",
+           "packing"]
 CONFIGS = {"before": set(), "defaults": set(SAVINGS),
            **{f"- {x}": set(SAVINGS) - {x} for x in SAVINGS},
            "+ act. ckpt": {*SAVINGS, "act. ckpt"}}
@@ -45,18 +49,55 @@ def batch(vocab: int, prompts: int = 2, group: int = 8, prompt_len: int = 200,
 
     g = torch.Generator().manual_seed(0)
     rows, width = prompts * group, prompt_len + new_tokens
-    loss_mask = torch.zeros(rows, width, dtype=torch.bool)
-    loss_mask[:, prompt_len:] = True
+    lengths = prompt_len + torch.randint(new_tokens // 4, new_tokens + 1, (rows,), generator=g)
+    attention = torch.arange(width)[None, :] < lengths[:, None]
+    loss_mask = attention.clone()
+    loss_mask[:, :prompt_len] = False
     rewards = torch.rand(rows, generator=g)
     rewards[:group] = 0.0  # the first group is flat
     return TensorDict({
         "input_ids": torch.randint(3, vocab, (rows, width), generator=g),
-        "attention_mask": torch.ones(rows, width, dtype=torch.bool), "loss_mask": loss_mask,
+        "attention_mask": attention, "loss_mask": loss_mask,
         "logprobs": -torch.rand(rows, width, generator=g) * loss_mask,
         "versions": torch.zeros(rows, width, dtype=torch.long),
         "rewards": rewards, "group_ids": torch.arange(rows) // group,
         "temperature": torch.ones(rows), "policy_version": torch.zeros(rows, dtype=torch.long),
     }, batch_size=[rows])
+
+
+class PaddedRows:
+    """The layout before packing: the right-padded rows as they are (`layout.PackedRows`'s
+    interface), attention masked."""
+
+    def __init__(self, ids, mask):
+        self.ids, self.mask, self.lengths = ids, mask, mask.sum(1)
+        self.input_ids = ids.flatten()[None]
+
+    @classmethod
+    def of(cls, ids, mask):
+        return cls(ids, mask)
+
+    def model_inputs(self):
+        return {"input_ids": self.ids, "attention_mask": self.mask.long(), "use_cache": False}
+
+    def index(self, rows, cols):
+        return rows * self.ids.shape[1] + cols
+
+    def unpack(self, values):
+        return values
+
+
+def padded_micro_batches(lengths, max_tokens):
+    """Micro-batches before packing: first-fit decreasing under rows x longest row."""
+    bins = []
+    for row in sorted(range(len(lengths)), key=lambda r: (-lengths[r], r)):
+        for rows in bins:
+            if (len(rows) + 1) * lengths[rows[0]] <= max_tokens:
+                rows.append(row)
+                break
+        else:
+            bins.append([row])
+    return bins
 
 
 def one(model: str, name: str, steps: int) -> dict:
@@ -81,6 +122,9 @@ def one(model: str, name: str, steps: int) -> dict:
             token = pad(logp.gather(-1, ids[:, 1:, None]).squeeze(-1), (1, 0))
             return ModelOutput(logprobs=token, entropy=pad(-(logp.exp() * logp).sum(-1), (1, 0)))
 
+    if "packing" not in on:
+        engine_module.PackedRows = PaddedRows
+        engine_module.micro_batches = padded_micro_batches
     if "freed memory" not in on:
         engine_module._return_freed_memory = lambda: None
     engine = (TrainEngine if "loss positions" in on else FullHead)(model, TrainConfig(

@@ -10,6 +10,7 @@ from tensordict import TensorDict
 
 from areal_flow.config import OptimizerConfig
 from areal_flow.runtime.distributed import shutdown_distributed
+from areal_flow.runtime import checkpoint
 from areal_flow.runtime.engine import TrainConfig, TrainEngine
 from areal_flow.types import LossOutput
 
@@ -119,9 +120,9 @@ def run_every_collective(engine, batch, out_file: str) -> None:
     engine.sync_weights(MemoryPool() if engine.rank == 0 else None, 1)
     any_rank(engine.rank == 1)
     Path(folder).mkdir(exist_ok=True)
-    engine.save_checkpoint(folder)
-    engine.load_checkpoint(folder)
-    engine.save_hf(Path(folder) / "hf")
+    checkpoint.save_checkpoint(engine, folder)
+    checkpoint.load_checkpoint(engine, folder)
+    checkpoint.save_hf(engine, Path(folder) / "hf")
 
 if __name__ == "__main__":
     model_dir, out_file, kind, mb_tokens = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])

@@ -139,3 +139,30 @@ def test_fused_adamw_takes_the_step_of_the_reference_implementation(world, tiny_
     start, a, b = params(engine(tiny_model_dir)), params(fused), params(reference)
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6
     assert max((a[k] - start[k]).abs().max().item() for k in a) > 1e-3  # it moved
+
+
+@pytest.mark.parametrize("value", [False, True], ids=["policy", "critic"])
+def test_rows_packed_into_one_micro_batch_get_what_each_gets_alone(world, tiny_model_dir, value):
+    """A micro-batch's rows reach the model packed end to end: no row may see another's tokens.
+    Each row alone (one row: nothing packed, no padding) is the reference, for the outputs and
+    for the gradients of a loss over them."""
+    e = TrainEngine(tiny_model_dir, TrainConfig(), value=value)
+    batch = fixed_batch(e.model.config.vocab_size)[:5]
+    assert len(set(batch["attention_mask"].sum(-1).tolist())) == 5  # rows of different lengths
+    weights = torch.randn(batch["input_ids"].shape, generator=torch.Generator().manual_seed(1))
+
+    def run(mb):
+        out = e.outputs(mb, entropy="grad")
+        got = out.values if value else torch.stack([out.logprobs, out.entropy])
+        (got * weights[mb["row"]]).sum().backward()
+        return got.detach()
+
+    batch["row"] = torch.arange(5)
+    e.model.zero_grad()
+    packed = run(batch)
+    packed_grads = {n: p.grad.clone() for n, p in e.model.named_parameters()}
+    e.model.zero_grad()
+    alone = torch.cat([run(batch[i : i + 1]) for i in range(5)], dim=-2)
+    torch.testing.assert_close(packed, alone, atol=1e-5, rtol=1e-5)
+    for name, p in e.model.named_parameters():
+        torch.testing.assert_close(p.grad, packed_grads[name], atol=1e-5, rtol=1e-5, msg=name)

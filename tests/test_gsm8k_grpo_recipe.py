@@ -53,7 +53,7 @@ def check_run_folder(run_dir: Path, steps: int, *, rows_trained: bool = False) -
             assert key in m, key
         assert m["skipped_step"] == 0 and 0 < m["memory/peak_rss_gb"] < 20
         if m["train/skipped_rows"] < ROWS or rows_trained:
-            for key in ("clip_fraction", "importance_weight_mean", "train/padding_efficiency"):
+            for key in ("clip_fraction", "importance_weight_mean", "train/mb_fill"):
                 assert key in m, key
             assert math.isfinite(m["importance_weight_mean"])
         else:  # every group flat: nothing to learn from, nothing computed

@@ -1,5 +1,6 @@
-"""Log-probs and entropy computed only at the loss positions, in chunks, equal the full-vocabulary
-computation at every position: values and parameter gradients (random tiny models, fp32)."""
+"""Log-probs and entropy computed only at the loss positions, in chunks, from the rows packed end
+to end, equal the full-vocabulary computation at every position of the right-padded rows: values
+and parameter gradients (random tiny models, fp32)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from areal_flow.runtime import logprobs
+from areal_flow.runtime.layout import PackedRows
 from areal_flow.runtime.logprobs import LossPositions, loss_position_head
 
 
@@ -37,7 +39,7 @@ def problems(draw):
 
 
 def full_reference(model, p):
-    """Every position, the whole vocabulary: the straightforward computation."""
+    """Every position of the padded rows, the whole vocabulary: the straightforward computation."""
     logits = model(input_ids=p["ids"], attention_mask=p["attention"].long()).logits
     logp = torch.log_softmax(logits[:, :-1].float() / p["temperature"][:, None, None], -1)
     token = logp.gather(-1, p["ids"][:, 1:, None]).squeeze(-1)
@@ -49,9 +51,10 @@ def full_reference(model, p):
 
 
 def at_loss_positions(model, p, entropy_mode):
-    where = LossPositions.of(p["ids"], p["loss_mask"], p["temperature"])
+    layout = PackedRows.of(p["ids"], p["attention"])
+    where = LossPositions.of(layout, p["loss_mask"], p["temperature"])
     with loss_position_head(model, where, entropy_mode) as extra:
-        out = model(input_ids=p["ids"], attention_mask=p["attention"].long()).logits
+        out = model(**layout.model_inputs()).logits
     token, ent = (out[:, 0], out[:, 1]) if entropy_mode == "grad" else (out, extra["entropy"])
     shape = p["ids"].shape
     return where.scatter(token, shape), (None if ent is None else where.scatter(ent, shape))
@@ -92,9 +95,10 @@ def test_no_entropy_is_computed_when_none_is_asked(tiny_model_dir):
     model = LlamaForCausalLM.from_pretrained(tiny_model_dir)
     ids = torch.randint(0, model.config.vocab_size, (2, 6))
     mask = torch.ones_like(ids, dtype=torch.bool)
-    where = LossPositions.of(ids, mask, torch.ones(2))
+    layout = PackedRows.of(ids, mask)
+    where = LossPositions.of(layout, mask, torch.ones(2))
     with loss_position_head(model, where, "none") as extra:
-        out = model(input_ids=ids, attention_mask=mask.long()).logits
+        out = model(**layout.model_inputs()).logits
     assert out.shape == (2 * 5,) and extra["entropy"] is None
     # the model's own head is back afterwards
     assert model(input_ids=ids).logits.shape == (2, 6, model.config.vocab_size)

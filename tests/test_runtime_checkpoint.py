@@ -10,8 +10,9 @@ from transformers import AutoModelForCausalLM
 
 from areal_flow.config import OptimizerConfig
 from areal_flow.inference.local import LocalEngine
+from areal_flow.runtime import checkpoint
 from areal_flow.runtime.engine import TrainConfig, TrainEngine
-from areal_flow.types import GenerationRequest, SamplingParams
+from areal_flow.types import GenerationRequest, SamplingParams, WeightUpdate
 from tests.dist_train_script import TokenNLL, fixed_batch
 
 
@@ -33,7 +34,7 @@ def test_hf_checkpoint_round_trip_gives_identical_logits(world, tiny_model_dir, 
     trainer = engine(tiny_model_dir)
     batch = fixed_batch(trainer.model.config.vocab_size)
     trainer.train(batch, TokenNLL())
-    trainer.save_hf(tmp_path / "hf", tokenizer_from=tiny_model_dir)
+    checkpoint.save_hf(trainer, tmp_path / "hf", tokenizer_from=tiny_model_dir)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     ids = batch["input_ids"][:2, :20]
     with torch.no_grad():
@@ -47,11 +48,13 @@ def test_resume_gives_the_same_next_step_loss(world, tiny_model_dir, tmp_path):
     straight = engine(tiny_model_dir)
     batch = fixed_batch(straight.model.config.vocab_size)
     straight.train(batch, algorithm)
-    straight.save_checkpoint(tmp_path / "ckpt", extra_state={"scheduler": {"position": 7}})
+    checkpoint.save_checkpoint(straight, tmp_path / "ckpt",
+                               extra_state={"scheduler": {"position": 7}})
     expected = [straight.train(batch, algorithm)["loss"] for _ in range(2)]
 
     resumed = engine(tiny_model_dir)
-    assert resumed.load_checkpoint(tmp_path / "ckpt") == {"scheduler": {"position": 7}}
+    extra = checkpoint.load_checkpoint(resumed, tmp_path / "ckpt")
+    assert extra == {"scheduler": {"position": 7}}
     assert resumed.steps == 1
     assert [resumed.train(batch, algorithm)["loss"] for _ in range(2)] == pytest.approx(
         expected, rel=1e-6)
@@ -121,6 +124,23 @@ def test_an_in_process_engine_generates_from_the_trainers_tensors(world, tiny_mo
     assert all(len(sums) == 1 for sums in seen.values()), seen
     assert len({s for sums in seen.values() for s in sums}) == 4  # the weights did change
     assert list(out.versions) == sorted(out.versions) and out.versions[-1] == 3
+
+
+def test_a_copied_update_after_sharing_leaves_the_trainers_tensors_alone(world, tiny_model_dir):
+    """An engine that shares the trainer's tensors, then gets weights to copy (a folder, another
+    state dict), must copy them into tensors of its own, never into the trainer's."""
+    trainer = engine(tiny_model_dir)
+    pool = LocalEngine(tiny_model_dir, max_batch_size=4)
+    try:
+        trainer.sync_weights(pool, 0)
+        before = trainer.full_state_dict()
+        other = {k: t + 1.0 for k, t in before.items()}
+        assert pool.update_weights(WeightUpdate(version=1, state_dict=other)) is False
+        after = trainer.full_state_dict()
+        assert all(torch.equal(after[k], before[k]) for k in before)
+        assert all(torch.equal(t, other[k]) for k, t in pool.model.state_dict().items())
+    finally:
+        pool.close()
 
 
 class Recorder(TokenNLL):

@@ -113,6 +113,8 @@ class LocalEngine:
         self._aliases = {name: frozenset(names) for names in storage.values() for name in names}
         self._received: set[str] = set()
         """Tensor names loaded since the version last changed (a bucketed update so far)."""
+        self._shared = False
+        """Whether the model's tensors are another's (a `live` update kept them)."""
 
         self._cv = threading.Condition()
         self._waiting: deque[_Sequence] = deque()
@@ -234,7 +236,11 @@ class LocalEngine:
             received = self._covered(set(state), update.version)
             kept = update.live and self._keep_tensors(state)
             if not kept:
+                if self._shared:  # never write into the tensors of their owner
+                    self.model.load_state_dict(
+                        {k: t.clone() for k, t in self.model.state_dict().items()}, assign=True)
                 self._load_state_dict(state)
+            self._shared = kept
             self._received = received if update.version == self._version else set()
             self._version = update.version
         finally:

@@ -31,6 +31,7 @@ from transformers import AutoModel, AutoModelForCausalLM, get_constant_schedule_
 
 from areal_flow.config import OptimizerConfig
 from areal_flow.runtime.distributed import init_distributed, on_rank0, scatter_groups
+from areal_flow.runtime.layout import PackedRows
 from areal_flow.runtime.logprobs import EntropyMode, LossPositions, loss_position_head
 from areal_flow.runtime.microbatch import micro_batches, minibatch_of_rows, split_to_count
 from areal_flow.types import Algorithm, ModelOutput, WeightUpdate
@@ -46,7 +47,7 @@ class TrainConfig:
 
     optim: OptimizerConfig = attrs.field(factory=OptimizerConfig)
     max_tokens_per_mb: int = attrs.field(default=8192, validator=v.ge(1))
-    """Padded tokens (rows x longest row) per micro-batch."""
+    """Tokens per micro-batch (its rows packed end to end, no padding: `layout.py`)."""
     ppo_minibatches: int = attrs.field(default=1, validator=v.ge(1))
     """Optimizer steps per batch; the batch's groups are split evenly between them."""
     bf16: bool = False
@@ -71,8 +72,8 @@ class ValueModel(torch.nn.Module):
         self.config = self.backbone.config
         self._no_split_modules = getattr(self.backbone, "_no_split_modules", None)
 
-    def forward(self, input_ids, attention_mask):
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    def forward(self, **inputs):
+        hidden = self.backbone(**inputs).last_hidden_state
         # a fresh tensor: FSDP warns that in-place ops on a returned view would skip its hooks
         return self.head(hidden).squeeze(-1).clone()
 
@@ -138,14 +139,14 @@ class TrainEngine:
         < t. Log-probs and entropy are computed only where `loss_mask` is set (0 elsewhere):
         the LM head never runs over the whole vocabulary at every position (`logprobs.py`)."""
         ids = mb["input_ids"].to(self.device)
-        mask = mb["attention_mask"].to(self.device)
+        layout = PackedRows.of(ids, mb["attention_mask"].to(self.device))
         if self.value:
-            values = _shift(self.model(ids, mask).float()[:, :-1])
-            return ModelOutput(logprobs=torch.zeros_like(values), values=values)
-        where = LossPositions.of(ids, mb["loss_mask"].to(self.device),
+            values = layout.unpack(self.model(**layout.model_inputs()).float())
+            return ModelOutput(logprobs=torch.zeros_like(values), values=_shift(values[:, :-1]))
+        where = LossPositions.of(layout, mb["loss_mask"].to(self.device),
                                  mb["temperature"].to(self.device))
         with loss_position_head(self.model, where, entropy) as extra:
-            out = self.model(input_ids=ids, attention_mask=mask.long(), use_cache=False).logits
+            out = self.model(**layout.model_inputs()).logits
         token, ent = (out[:, 0], out[:, 1]) if entropy == "grad" else (out, extra["entropy"])
         return ModelOutput(logprobs=where.scatter(token, ids.shape),
                            entropy=None if ent is None else where.scatter(ent, ids.shape))
@@ -226,7 +227,7 @@ class TrainEngine:
         loss_sum = summed = peak = 0.0
         units: set[str] = set()
         sums: dict[str, float] = defaultdict(float)
-        count = real = padded = 0
+        count = tokens = 0
         moves = mini["advantages"].ne(0).any(-1) if skip_zero_advantage and \
             mini.batch_size[0] else torch.ones(mini.batch_size[0], dtype=torch.bool)
         idle, mini = mini[~moves], mini[moves]
@@ -248,14 +249,13 @@ class TrainEngine:
             for key, value in result.stats.items():
                 sums[key] += float(value)
             count += 1
-            real += int(mb["attention_mask"].sum())
-            padded += mb["attention_mask"].numel()
+            tokens += int(mb["attention_mask"].sum())
         # (summed units, constant units) seen on any rank, so that every rank takes the same
         # decision below; a rank with only dummy passes has none
         kinds = [float(any(SUMMED_UNITS[u] for u in units)),
                  float(any(not SUMMED_UNITS[u] for u in units))]
         totals = torch.tensor([loss_sum, summed, float(count), float(idle.batch_size[0]),
-                               float(real), float(padded)], dtype=torch.float64)
+                               float(tokens)], dtype=torch.float64)
         dist.all_reduce(totals)
         flags = torch.tensor([peak, *kinds], dtype=torch.float64)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
@@ -297,7 +297,10 @@ class TrainEngine:
                "grad_norm": grad_norm, "skipped_step": float(skipped),
                "lr": self.scheduler.get_last_lr()[0], "normalizer": total_norm,
                "train/skipped_rows": float(totals[3]),
-               "train/padding_efficiency": float(totals[4] / totals[5]) if totals[5] else 1.0}
+               # packed micro-batches have no padding; how full their token budget is instead
+               "train/micro_batches": float(totals[2]),
+               "train/mb_fill": float(totals[4]) / max(float(totals[2]), 1.0)
+               / self.config.max_tokens_per_mb}
         for key, value in sums.items():
             out[key] = value / max(count, 1)
         return out
@@ -359,56 +362,6 @@ class TrainEngine:
         done = time.perf_counter()
         return {"sync/gather_seconds": gathered - start, "sync/send_seconds": done - gathered}
 
-    # -- checkpoints --------------------------------------------------------------------
-
-    def save_hf(self, path: str | Path, tokenizer_from: str | Path | None = None) -> None:
-        """A `save_pretrained` folder (loadable by transformers and SGLang); every rank calls,
-        rank 0 writes. The tokenizer files are copied from `tokenizer_from` when given."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        state = get_model_state_dict(
-            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if self.rank == 0:
-            self.model.save_pretrained(path, state_dict=state)
-            if tokenizer_from is not None:
-                from transformers import AutoTokenizer
-
-                AutoTokenizer.from_pretrained(tokenizer_from).save_pretrained(path)
-        dist.barrier()
-
-    def save_checkpoint(self, path: str | Path, extra_state: Any = None) -> None:
-        """Everything exact resume needs: sharded model and optimizer (torch.distributed
-        checkpoint), LR schedule, step count, RNG states and `extra_state` (e.g. the rollout
-        scheduler's state dict). Every rank calls."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        path = Path(path)
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(path / "dcp"))
-        if self.rank == 0:
-            torch.save({"scheduler": self.scheduler.state_dict(), "steps": self.steps,
-                        "rng": torch.get_rng_state(), "extra_state": extra_state},
-                       path / "trainer_state.pt")
-        dist.barrier()
-
-    def load_checkpoint(self, path: str | Path) -> Any:
-        """Restore `save_checkpoint`'s state on every rank; returns its `extra_state`."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-        path = Path(path)
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
-        state = {"model": model_state, "optim": optim_state}
-        dcp.load(state, checkpoint_id=str(path / "dcp"))
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
-        trainer = torch.load(path / "trainer_state.pt", weights_only=False)
-        self.scheduler.load_state_dict(trainer["scheduler"])
-        self.steps = trainer["steps"]
-        torch.set_rng_state(trainer["rng"])
-        return trainer["extra_state"]
-
     # -- micro-batches -----------------------------------------------------------------
 
     def _plan(self, batch: TensorDict) -> list[list[int]]:
@@ -423,10 +376,9 @@ class TrainEngine:
 
     def _dummy_pass(self, backward: bool) -> None:
         ids = torch.zeros((1, 2), dtype=torch.long, device=self.device)
-        mask = torch.ones_like(ids)
+        inputs = PackedRows.of(ids, torch.ones_like(ids)).model_inputs()
         with torch.set_grad_enabled(backward):
-            out = self.model(ids, mask) if self.value else \
-                self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+            out = self.model(**inputs) if self.value else self.model(**inputs).logits
             if backward:
                 (out.float().sum() * 0.0).backward()
 

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from areal_flow.runtime.layout import PackedRows
+
 EntropyMode = Literal["none", "metric", "grad"]
 """Entropy not at all; without gradient (a logged statistic); with gradient (an entropy term)."""
 
@@ -37,17 +39,22 @@ class LossPositions:
 
     rows: torch.Tensor
     cols: torch.Tensor
+    """The padded [rows, length] coordinates of each position."""
+    states: torch.Tensor
+    """Where in the packed row (`layout.PackedRows`) the hidden state that predicts it is."""
     targets: torch.Tensor
     temperature: torch.Tensor
     """Per position: the row's sampling temperature."""
 
     @classmethod
-    def of(cls, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+    def of(cls, layout: PackedRows, loss_mask: torch.Tensor,
            temperature: torch.Tensor) -> LossPositions:
         mask = loss_mask.bool().clone()
         mask[:, 0] = False
+        mask &= torch.arange(mask.shape[1], device=mask.device) < layout.lengths[:, None]
         rows, cols = mask.nonzero(as_tuple=True)
-        return cls(rows=rows, cols=cols, targets=input_ids[rows, cols],
+        at = layout.index(rows, cols)
+        return cls(rows=rows, cols=cols, states=at - 1, targets=layout.input_ids[0, at],
                    temperature=temperature.float()[rows])
 
     def scatter(self, values: torch.Tensor, shape: torch.Size) -> torch.Tensor:
@@ -69,9 +76,9 @@ def _chunk(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 def head_at_positions(head: torch.nn.Linear, hidden: torch.Tensor, where: LossPositions,
                       entropy: EntropyMode) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """[positions] token log-probs (and entropies) of `head` applied to `hidden` [rows, length,
-    hidden] at `where`, chunked; checkpointed when gradients are on."""
-    states = hidden[where.rows, where.cols - 1]
+    """[positions] token log-probs (and entropies) of `head` applied to the packed `hidden`
+    [1, tokens, hidden] at `where`, chunked; checkpointed when gradients are on."""
+    states = hidden.flatten(0, 1)[where.states]
     step = max(1, CHUNK_ELEMENTS // head.weight.shape[0])
     tokens, entropies = [], []
     for start in range(0, len(states), step):

@@ -1,9 +1,9 @@
 """Splitting a batch: whole groups across ranks and mini-batches, rows into micro-batches
 under a token budget.
 
-Pure functions on lengths, so they are property-tested without processes. A micro-batch is
-padded to its longest row, so its cost is rows x longest row; sorting rows by length keeps that
-padding small (sdpa on CPU has no padding-free varlen path).
+Pure functions on lengths, so they are property-tested without processes. A micro-batch's rows
+reach the model packed end to end without padding (`layout.PackedRows`), so its cost is the sum
+of its rows' lengths.
 """
 
 from __future__ import annotations
@@ -49,28 +49,24 @@ def minibatch_of_rows(group_ids: torch.Tensor, parts: int) -> torch.Tensor:
     return torch.tensor([order[g] % parts for g in group_ids.tolist()], dtype=torch.long)
 
 
-def padded_cost(lengths: Sequence[int], rows: Sequence[int]) -> int:
-    return len(rows) * max((lengths[r] for r in rows), default=0)
-
-
 def micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
-    """Rows into micro-batches whose padded size (rows x longest row) stays within `max_tokens`.
+    """Rows into micro-batches of at most `max_tokens` tokens in all.
 
     Rows are taken longest first, each into the first micro-batch it fits (first-fit
-    decreasing), so rows of similar length share padding. A row longer than the budget gets a
-    micro-batch of its own.
+    decreasing: few, full micro-batches). A row longer than the budget gets one of its own.
     """
     if max_tokens < 1:
         raise ValueError(f"'max_tokens_per_mb' must be >= 1: {max_tokens}")
     bins: list[list[int]] = []
+    room: list[int] = []
     for row in sorted(range(len(lengths)), key=lambda r: (-lengths[r], r)):
-        for rows in bins:
-            # rows arrive longest first, so the bin's longest row is its first
-            if (len(rows) + 1) * lengths[rows[0]] <= max_tokens:
-                rows.append(row)
-                break
-        else:
+        fits = next((b for b, free in enumerate(room) if lengths[row] <= free), None)
+        if fits is None:
             bins.append([row])
+            room.append(max_tokens - lengths[row])
+        else:
+            bins[fits].append(row)
+            room[fits] -= lengths[row]
     return bins
 
 
@@ -83,7 +79,7 @@ def split_to_count(bins: list[list[int]], lengths: Sequence[int], count: int) ->
         splittable = [b for b in bins if len(b) > 1]
         if not splittable:
             break
-        largest = max(splittable, key=lambda b: padded_cost(lengths, b))
+        largest = max(splittable, key=lambda b: sum(lengths[r] for r in b))
         bins.remove(largest)
         half = len(largest) // 2
         bins += [largest[:half], largest[half:]]

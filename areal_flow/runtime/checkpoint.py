@@ -1,0 +1,64 @@
+"""Checkpoints of a `TrainEngine`: a `save_pretrained` folder for inference, and the full
+training state (sharded model and optimizer through torch.distributed.checkpoint, LR schedule,
+step count, RNG) for exact resume. Every rank calls these; rank 0 writes what is not sharded."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from transformers import AutoTokenizer
+
+if TYPE_CHECKING:
+    from areal_flow.runtime.engine import TrainEngine
+
+
+def save_hf(engine: TrainEngine, path: str | Path,
+            tokenizer_from: str | Path | None = None) -> None:
+    """A `save_pretrained` folder (loadable by transformers and SGLang); every rank calls,
+    rank 0 writes. The tokenizer files are copied from `tokenizer_from` when given."""
+    state = get_model_state_dict(
+        engine.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if engine.rank == 0:
+        engine.model.save_pretrained(path, state_dict=state)
+        if tokenizer_from is not None:
+            AutoTokenizer.from_pretrained(tokenizer_from).save_pretrained(path)
+    dist.barrier()
+
+
+def save_checkpoint(engine: TrainEngine, path: str | Path, extra_state: Any = None) -> None:
+    """Everything exact resume needs: sharded model and optimizer (torch.distributed
+    checkpoint), LR schedule, step count, RNG states and `extra_state` (e.g. the rollout
+    scheduler's state dict). Every rank calls."""
+    path = Path(path)
+    model_state, optim_state = get_state_dict(engine.model, engine.optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(path / "dcp"))
+    if engine.rank == 0:
+        torch.save({"scheduler": engine.scheduler.state_dict(), "steps": engine.steps,
+                    "rng": torch.get_rng_state(), "extra_state": extra_state},
+                   path / "trainer_state.pt")
+    dist.barrier()
+
+
+def load_checkpoint(engine: TrainEngine, path: str | Path) -> Any:
+    """Restore `save_checkpoint`'s state on every rank; returns its `extra_state`."""
+    path = Path(path)
+    model_state, optim_state = get_state_dict(engine.model, engine.optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=str(path / "dcp"))
+    set_state_dict(engine.model, engine.optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    trainer = torch.load(path / "trainer_state.pt", weights_only=False)
+    engine.scheduler.load_state_dict(trainer["scheduler"])
+    engine.steps = trainer["steps"]
+    torch.set_rng_state(trainer["rng"])
+    return trainer["extra_state"]

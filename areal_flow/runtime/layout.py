@@ -1,0 +1,57 @@
+"""The batch layout: how a micro-batch's rows reach the model, and how its outputs come back.
+
+Algorithms see right-padded [rows, length] tensors (a row's tokens from column 0, its position
+t in column t, zeros after). The model sees them packed: every row's real tokens laid end to end
+in one row, with position ids that restart at 0 at each row's start. transformers turns restarting
+position ids (and no attention mask) into a block-diagonal causal mask, so no token attends
+across rows and no compute goes to padding. `PackedRows` is the only code that knows both
+layouts: the training engine packs with it, the log-prob head reads hidden states through it, and
+outputs are unpacked with it.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+
+@attrs.frozen
+class PackedRows:
+    """A right-padded micro-batch as one packed row."""
+
+    input_ids: torch.Tensor
+    """[1, tokens]: every row's real tokens, row after row."""
+    position_ids: torch.Tensor
+    """[1, tokens]: each token's position in its row."""
+    rows: torch.Tensor
+    """[tokens]: the padded row of each packed token."""
+    lengths: torch.Tensor
+    """[rows]: each row's real tokens."""
+    shape: tuple[int, int]
+    """The padded [rows, length]."""
+
+    @classmethod
+    def of(cls, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> PackedRows:
+        mask = attention_mask.bool()
+        if (mask[:, 1:] & ~mask[:, :-1]).any():
+            raise ValueError("'attention_mask' must be right padding (each row's tokens from "
+                             "column 0 on, then only padding): a 0 is followed by a 1")
+        rows, cols = mask.nonzero(as_tuple=True)  # row-major: row after row, columns in order
+        return cls(input_ids=input_ids[rows, cols][None], position_ids=cols[None], rows=rows,
+                   lengths=mask.sum(1), shape=tuple(input_ids.shape))
+
+    def model_inputs(self) -> dict:
+        """Keyword arguments of a transformers model's forward for the packed row. No cache:
+        with one, transformers does not look for restarting positions and every token would
+        attend to the rows packed before its own."""
+        return {"input_ids": self.input_ids, "position_ids": self.position_ids, "use_cache": False}
+
+    def index(self, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        """Positions in the packed row of padded (row, column) pairs (real tokens only)."""
+        return (self.lengths.cumsum(0) - self.lengths)[rows] + cols
+
+    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        """[1, tokens] model output -> [rows, length], zeros at padding (gradients flow)."""
+        cols = self.position_ids[0]
+        zeros = packed.new_zeros(self.shape)
+        return zeros.index_put((self.rows, cols), packed[0])
