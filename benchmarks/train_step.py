@@ -170,7 +170,7 @@ def run(quick: bool = False) -> dict:
 
 
 def show(result: dict) -> None:
-    print("one GRPO step, 2 prompts x 8 completions, 200 + 128 tokens, "
+    print("one GRPO step, 2 prompts x 8 completions, 200 + 32..128 tokens, "
           f"{result.get('precision', 'bfloat16')}, {result['torch_threads']} threads; speed-up and "
           "memory against the runtime before these changes\n")
     base = {r["model"]: r for r in result["rows"] if r["config"] in ("before", "full head")}

@@ -47,7 +47,9 @@ class TrainConfig:
 
     optim: OptimizerConfig = attrs.field(factory=OptimizerConfig)
     max_tokens_per_mb: int = attrs.field(default=8192, validator=v.ge(1))
-    """Tokens per micro-batch (its rows packed end to end, no padding: `layout.py`)."""
+    """Tokens per micro-batch (its rows packed end to end, no padding: `layout.py`). Keep it small
+    on a CPU: sdpa attends through the packs' dense block-diagonal mask, quadratic in a pack's
+    tokens (benchmarks/README.md)."""
     ppo_minibatches: int = attrs.field(default=1, validator=v.ge(1))
     """Optimizer steps per batch; the batch's groups are split evenly between them."""
     bf16: bool = False
