@@ -133,6 +133,10 @@ class InferenceConfig:
     else float32. In the trainer's dtype (fp32 without FSDP) it shares the trainer's weights."""
     max_batch_size: int = attrs.field(default=64, validator=v.ge(1))
     """Most sequences the local engine decodes at once."""
+    threads: int | None = attrs.field(default=None, validator=v.optional(v.ge(1)))
+    """CPU threads the in-process local engine computes with, in a pool of its own (the trainer
+    keeps the process's). None: as many as the process's (measured fastest for SmolLM2 on 2
+    cores; 1 was faster for the tiny model, benchmarks/README.md)."""
     device: str = attrs.field(default="auto")
     """Where the local engine (and launched `areal-flow serve` servers) run: auto (cuda when a
     GPU is visible, else cpu), cpu, cuda or cuda:N."""

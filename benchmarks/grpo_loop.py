@@ -75,7 +75,8 @@ def areal_flow_worker(p: dict, eta: int) -> dict:
     from transformers import AutoTokenizer
 
     from areal_flow.algorithms.grpo import GRPO, GRPOConfig
-    from areal_flow.config import OptimizerConfig, PolicyLossConfig, RolloutConfig
+    from areal_flow.config import (InferenceConfig, OptimizerConfig, PolicyLossConfig,
+                                   RolloutConfig)
     from areal_flow.inference.local import LocalEngine
     from areal_flow.reward.runner import RewardRunner
     from areal_flow.rollout.scheduler import RolloutScheduler
@@ -88,7 +89,10 @@ def areal_flow_worker(p: dict, eta: int) -> dict:
     started = time.perf_counter()
     tiny = p["name"] == "tiny"
     batch_rows = p["prompts"] * p["group"]
-    engine = LocalEngine(p["model"], dtype="float32", seed=p["seed"], max_batch_size=64)
+    # as the recipe builds it
+    engine = LocalEngine.from_config(
+        InferenceConfig(dtype="float32", max_batch_size=64, threads=p.get("engine_threads")),
+        model=p["model"], seed=p["seed"])
     trainer = TrainEngine(p["model"], TrainConfig(optim=OptimizerConfig(lr=p["lr"]), bf16=False))
     # one optimizer step per batch: the version-based proximal logprobs are exact (the recipe's
     # choice), so no forward pass recomputes them; TRL skips that forward in this setting too

@@ -337,6 +337,31 @@ def test_from_config_passes_the_device(monkeypatch):
     monkeypatch.setattr(LocalEngine, "__init__", lambda self, model, **kwargs: seen.update(kwargs))
     LocalEngine.from_config(InferenceConfig(device="cuda:1", max_batch_size=3), model="m")
     assert seen["device"] == "cuda:1" and seen["max_batch_size"] == 3
+    assert seen["threads"] is None  # the process's pool
+    LocalEngine.from_config(InferenceConfig(device="cpu", threads=3), model="m")
+    assert seen["threads"] == 3
+    with pytest.raises(ValueError, match="threads"):
+        InferenceConfig(threads=0)
+
+
+def test_the_engine_thread_has_its_own_thread_count_and_the_callers_keeps_its_own(
+        tiny_model_dir):
+    process = torch.get_num_threads()
+    engine = LocalEngine(tiny_model_dir, threads=process + 1)
+    seen = []
+    engine.on_step = lambda eng: seen.append(torch.get_num_threads())
+    try:
+        asyncio.run(engine.generate(request([5, 6, 7], max_new_tokens=3)))
+    finally:
+        engine.close()
+    assert seen and set(seen) == {process + 1}
+    # torch.set_num_threads on the engine thread would also be the count of every thread that
+    # starts computing later (torch initialises a thread from its process-wide setting)
+    later = []
+    thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    assert torch.get_num_threads() == process and later == [process]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import ctypes
 import threading
 import time
 from collections import deque
@@ -41,6 +42,22 @@ def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
+
+
+def _set_thread_pool_size(threads: int) -> None:
+    """The calling thread's OpenMP pool size, leaving other threads' alone.
+
+    torch.set_num_threads would set it for the whole process (MKL's count included), so an
+    in-process engine at 1 thread would also drop the trainer to 1. OpenMP keeps the count per
+    thread (MKL's GNU-threaded kernels follow it), so the engine sets its own through the
+    OpenMP runtime torch loaded.
+    """
+    torch.get_num_threads()  # torch's lazy per-thread init first, or it would undo the setting
+    try:
+        set_pool = ctypes.CDLL(None).omp_set_num_threads
+    except AttributeError:  # a torch built without OpenMP: one shared pool, nothing to split
+        return
+    set_pool(threads)
 
 
 @attrs.define(eq=False)
@@ -73,6 +90,7 @@ class LocalEngine:
         version: the version of the weights loaded at start.
         share_prefix: prefill a prompt shared by requests admitted together once (off: each
             request prefills its whole context, for comparisons).
+        threads: intra-op threads of the engine thread (None: the process's torch default).
     """
 
     def __init__(
@@ -85,11 +103,15 @@ class LocalEngine:
         seed: int = 0,
         version: int = 0,
         share_prefix: bool = True,
+        threads: int | None = None,
     ):
         if dtype not in DTYPES:
             raise ValueError(f"'dtype' must be one of {sorted(DTYPES)}: {dtype!r}")
         if max_batch_size < 1:
             raise ValueError(f"'max_batch_size' must be >= 1: {max_batch_size}")
+        if threads is not None and threads < 1:
+            raise ValueError(f"'threads' must be >= 1 or None (torch's default): {threads}")
+        self.threads = threads
         self.model_path = str(model)
         self.device = resolve_device(device)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
@@ -140,7 +162,7 @@ class LocalEngine:
     def from_config(cls, config, *, model: str, seed: int = 0, run_dir=None) -> LocalEngine:
         """The pool a recipe asked for with `InferenceConfig` (every pool class has this)."""
         return cls(model, dtype=config.dtype, device=config.device,
-                   max_batch_size=config.max_batch_size, seed=seed)
+                   max_batch_size=config.max_batch_size, seed=seed, threads=config.threads)
 
     # -- GenerationPool -----------------------------------------------------------------
 
@@ -281,6 +303,8 @@ class LocalEngine:
     # -- the engine thread --------------------------------------------------------------
 
     def _loop(self) -> None:
+        if self.threads is not None:
+            _set_thread_pool_size(self.threads)
         while True:
             with self._cv:
                 self._drain_aborts_locked()
