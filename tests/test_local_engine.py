@@ -364,6 +364,18 @@ def test_the_engine_thread_has_its_own_thread_count_and_the_callers_keeps_its_ow
     assert torch.get_num_threads() == process and later == [process]
 
 
+def test_a_thread_count_without_an_openmp_runtime_warns(monkeypatch):
+    from areal_flow.inference import local
+
+    class NoOpenMP:
+        def __getattr__(self, name):
+            raise AttributeError(name)
+
+    monkeypatch.setattr(local.ctypes, "CDLL", lambda name: NoOpenMP())
+    with pytest.warns(UserWarning, match="threads=2 has no effect"):
+        local._set_thread_pool_size(2)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_sampling_on_cuda_logits_with_cpu_generators_matches_the_cpu():
     from areal_flow.inference.local import sample

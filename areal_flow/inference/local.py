@@ -21,6 +21,7 @@ import concurrent.futures
 import ctypes
 import threading
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable
 from os.path import commonprefix
@@ -55,7 +56,9 @@ def _set_thread_pool_size(threads: int) -> None:
     torch.get_num_threads()  # torch's lazy per-thread init first, or it would undo the setting
     try:
         set_pool = ctypes.CDLL(None).omp_set_num_threads
-    except AttributeError:  # a torch built without OpenMP: one shared pool, nothing to split
+    except AttributeError:  # a torch without OpenMP: say so rather than ignore the setting
+        warnings.warn(f"the local engine's threads={threads} has no effect: this torch has no "
+                      "OpenMP runtime to give its thread a pool of its own", stacklevel=1)
         return
     set_pool(threads)
 
