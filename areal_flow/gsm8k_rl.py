@@ -1,19 +1,26 @@
-"""What the GSM8K RL recipes (`gsm8k_grpo.py`, `gsm8k_ppo.py`) share: the prompt, the config
-fields besides the algorithm, and the pieces their loops call (batch metrics, samples, eval)."""
+"""What the RL recipes (`gsm8k_grpo.py`, `gsm8k_ppo.py`, `reasoning_gym_grpo.py`) share: the
+prompts, the config fields besides the algorithm, and the pieces their loops call (batch metrics,
+samples, eval). The data is GSM8K or, with ``--dataset reasoning_gym:<task>``, a reasoning-gym
+task; each brings its own default reward and grader."""
 
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Callable
 from typing import Any
 
 import attrs
+import torch
 from attrs import validators as v
 
 from areal_flow import registry
 from areal_flow.config import (InferenceConfig, OptimizerConfig, RolloutConfig, fast_bf16, load,
                                structure)
 from areal_flow.algorithms.functional import flat_groups
-from areal_flow.reward.gsm8k import extract_answer, has_answer_format
+from areal_flow.data import reasoning_gym
+from areal_flow.reward import gsm8k
+from areal_flow.reward import reasoning_gym as reasoning_gym_reward
 from areal_flow.rollout.scheduler import RolloutScheduler
 from areal_flow.run import RunConfig, peak_rss_gb
 from areal_flow.runtime.engine import TrainConfig, TrainEngine
@@ -24,6 +31,8 @@ PROMPT = ("Answer the question. Show short reasoning, then the final number afte
           "Example question: Tom has 3 apples and buys 2 more. How many apples does he have?\n"
           "Example answer: 3 + 2 = 5. #### 5\n\nQuestion: {question}\nAnswer:")
 """A one-shot prompt: SmolLM2-135M then writes '#### N' in about 1 completion of 6."""
+REASONING_GYM_PROMPT = "{question} Reply with only the final answer."
+"""The default prompt for reasoning-gym rows (the reward reads the last number or line)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -59,9 +68,12 @@ def workflow_config(cfg: RLConfig) -> Any:
             raise ValueError(f"workflow {cfg.workflow!r} takes no config: drop --workflow-config "
                              "and --reward")
         return None
-    if cfg.workflow_config is None:
-        config = RLVRConfig(reward_kwargs={"format_weight": 0.5}, prompt_template=PROMPT) \
-            if spec.config is RLVRConfig else spec.config()
+    if cfg.workflow_config is None and spec.config is RLVRConfig:
+        config = RLVRConfig(reward="reasoning_gym", prompt_template=REASONING_GYM_PROMPT) \
+            if reasoning_gym.is_spec(cfg.dataset) else \
+            RLVRConfig(reward_kwargs={"format_weight": 0.5}, prompt_template=PROMPT)
+    elif cfg.workflow_config is None:
+        config = spec.config()
     elif cfg.workflow_config.lstrip().startswith("{"):
         config = structure(spec.config, json.loads(cfg.workflow_config))
     else:
@@ -96,38 +108,68 @@ def train(trainer: TrainEngine, batch, algorithm, **roles) -> dict[str, float]:
 
 
 def evaluate(cfg: RLConfig, scheduler: RolloutScheduler, rows: list[dict]) -> dict[str, float]:
-    """Greedy pass@1 on the eval rows, and the mean workflow reward."""
+    """Greedy pass@1 on the eval rows: strict and lenient accuracy (with the strict one's 95%
+    Wilson interval), format, mean workflow reward and response length."""
     if not rows:
         return {}
     greedy = attrs.evolve(cfg.sampling, temperature=0.0)
     groups = scheduler.rollout_batch(rows, sampling=greedy)
-    tok = scheduler.tokenizer
-    correct = formatted = scored = 0
+    grade = grader(cfg)
+    totals: dict[str, float] = {}
+    tokens = scored = 0.0
     for row, episodes in zip(rows, groups):
         for episode in episodes:
             model_tokens = [t for t, m in zip(episode.token_ids, episode.loss_mask) if m]
-            text = tok.decode(model_tokens, skip_special_tokens=True)
-            grade = _grade(text, row.get(cfg.answer_field))
-            correct += grade.get("accuracy", 0.0)
-            formatted += grade.get("format", 0.0)
+            text = scheduler.tokenizer.decode(model_tokens, skip_special_tokens=True)
+            reference = row.get(cfg.answer_field)
+            for key, value in (grade(text, reference) if reference is not None else {}).items():
+                totals[key] = totals.get(key, 0.0) + value
             scored += episode.reward
-    n = max(len(rows), 1)
-    return {"eval/accuracy": correct / n, "eval/format": formatted / n, "eval/reward": scored / n}
+            tokens += len(model_tokens)
+    n = len(rows)
+    out = {f"eval/{key}": value / n for key, value in totals.items()}
+    if "accuracy" in totals:
+        low, high = wilson_interval(round(totals["accuracy"]), n)
+        out.update({"eval/accuracy_ci_low": low, "eval/accuracy_ci_high": high})
+    return {**out, "eval/reward": scored / n, "eval/response_length": tokens / n}
+
+
+def wilson_interval(successes: int, n: int, z: float = 1.959963984540054) -> tuple[float, float]:
+    """The Wilson score interval of a binomial proportion (95% for the default z): unlike
+    p ± z·se it stays inside [0, 1] and is not empty at 0 or n successes."""
+    if n <= 0:
+        raise ValueError(f"wilson_interval needs n >= 1 trials: {n}")
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z / (1 + z * z / n) * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def grader(cfg: RLConfig) -> Callable[[str, Any], dict[str, float]]:
+    """`grade(completion, reference)` of the run's data: reasoning-gym's or GSM8K's."""
+    return reasoning_gym_reward.grade if reasoning_gym.is_spec(cfg.dataset) else gsm8k.grade
 
 
 def batch_metrics(cfg: RLConfig, batch, scheduler: RolloutScheduler) -> dict[str, Any]:
     """Reward, accuracy, format, response length and staleness of a trained batch."""
     rewards = batch["rewards"].float()
     lengths = batch["loss_mask"].sum(-1).float()
+    flat = flat_groups(rewards, batch["group_ids"])
+    groups = torch.unique(batch["group_ids"])
     out = {"reward/mean": rewards.mean().item(), "reward/std": rewards.std().item(),
            # groups whose rewards are all equal: no advantage, nothing to learn from
-           "reward/flat_group_fraction": flat_groups(rewards, batch["group_ids"]).float().mean()
-           .item(),
+           "reward/flat_group_fraction": torch.isin(groups, batch["group_ids"][flat]).float()
+           .mean().item(),
            "response_length/mean": lengths.mean().item(),
-           "response_length/max": lengths.max().item()}
-    grades = [_grade(text, scheduler.dataset[i].get(cfg.answer_field))
-              for i, text in zip(batch["sample_ids"].tolist(), _completions(batch, scheduler))]
-    for key in ("accuracy", "format"):
+           "response_length/max": lengths.max().item(),
+           # completions cut off by max_new_tokens: their reward judges an unfinished answer
+           "response_length/clip_fraction":
+               (lengths >= cfg.sampling.max_new_tokens).float().mean().item()}
+    grade = grader(cfg)
+    references = [scheduler.dataset[i].get(cfg.answer_field) for i in batch["sample_ids"].tolist()]
+    grades = [grade(text, reference) if reference is not None else {}
+              for reference, text in zip(references, _completions(batch, scheduler))]
+    for key in ("accuracy", "accuracy_lenient", "format"):
         values = [g[key] for g in grades if key in g]
         if values:
             out[key] = sum(values) / len(values)
@@ -160,12 +202,3 @@ def _completions(batch, scheduler: RolloutScheduler) -> list[str]:
     tok = scheduler.tokenizer
     return [tok.decode(ids[mask], skip_special_tokens=True)
             for ids, mask in zip(batch["input_ids"], batch["loss_mask"])]
-
-
-def _grade(text: str, reference: Any) -> dict[str, float]:
-    """GSM8K correctness and '#### N' format of a completion (empty without a reference)."""
-    if reference is None:
-        return {}
-    expected = extract_answer(str(reference))
-    return {"accuracy": float(expected is not None and extract_answer(text) == expected),
-            "format": float(has_answer_format(text))}

@@ -38,8 +38,9 @@ class RunConfig:
     model: str | None = None
     """HF folder or hub id; default: the packaged SmolLM2-135M-Instruct (converted once)."""
     dataset: str | None = None
-    """openai/gsm8k, a local json/jsonl/parquet file or a saved HF dataset; default: the packaged
-    GSM8K file, split deterministically into train and eval."""
+    """openai/gsm8k, a local json/jsonl/parquet file, a saved HF dataset, or a reasoning-gym task
+    as 'reasoning_gym:<task>?key=value&...' (areal_flow/data/reasoning_gym.py); default: the
+    packaged GSM8K file, split deterministically into train and eval."""
     eval_size: int = attrs.field(default=16, validator=v.ge(0))
     """Held-out rows evaluated; 0 turns eval off."""
     eval_every: int = attrs.field(default=8, validator=v.ge(1))

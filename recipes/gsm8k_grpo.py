@@ -12,6 +12,7 @@ sync → `scheduler.set_version` → eval / checkpoint. Rank 0 drives the rollou
 from __future__ import annotations
 
 import time
+from typing import ClassVar
 
 import attrs
 import torch.distributed as dist
@@ -34,6 +35,8 @@ from areal_flow.runtime.engine import TrainEngine
 class Config(gsm8k_rl.RLConfig):
     """GRPO on GSM8K. Defaults run offline on a CPU in about 20 minutes."""
 
+    NAME: ClassVar[str] = "gsm8k_grpo"  # run folders are runs/<NAME>-<time>
+
     # Skip the forward pass that recomputes pi_prox. With one optimizer step per batch, stale
     # tokens get pi_prox = pi_theta before the step (exact); tokens of the current version get
     # the engine's behavior logprobs (the same weights, but computed by the engine, in bf16 where
@@ -45,7 +48,7 @@ def main(cfg: Config) -> None:
     workflow_config = gsm8k_rl.workflow_config(cfg)  # bad names fail before any work
     pool_class = registry.generation_pools.get(cfg.inference.backend)
     rank, world, _ = init_distributed()
-    run = RunDir(same_on_all_ranks(cfg.run_dir or RunDir.default_path("gsm8k_grpo")),
+    run = RunDir(same_on_all_ranks(cfg.run_dir or RunDir.default_path(cfg.NAME)),
                  resume=cfg.resume, keep_checkpoints=cfg.keep_checkpoints)
     dist.barrier()  # every rank has checked the folder before rank 0 writes into it
     model = same_on_all_ranks(
@@ -58,12 +61,15 @@ def main(cfg: Config) -> None:
     pool = scheduler = rewards = None
     display = LiveDisplay(cfg.steps, start, enabled=rank == 0, columns={
         "reward/mean": "reward", "format": "format", "accuracy": "acc",
-        "eval/accuracy": "eval acc", "tokens_per_second": "tok/s",
+        "reward/flat_group_fraction": "flat groups", "response_length/mean": "length",
+        "eval/accuracy": "eval acc", "eval/accuracy_ci_low": "95% CI low",
+        "eval/accuracy_ci_high": "high", "eval/accuracy_lenient": "lenient",
+        "tokens_per_second": "tok/s",
         "staleness/mean": "staleness", "seconds/step": "s/step"})
     if rank == 0:
         run.truncate_after(start)
         train_rows, eval_rows, data_note = offline.train_eval_rows(cfg.dataset, cfg.eval_size)
-        display.print(f"[bold]gsm8k_grpo[/] run folder {run.path} · model {model} · "
+        display.print(f"[bold]{cfg.NAME}[/] run folder {run.path} · model {model} · "
                       f"{world} training rank(s)\n{data_note}")
         run.write_config(cfg)
         run.start_loggers(cfg.logger, cfg, start)

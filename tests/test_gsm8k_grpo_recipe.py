@@ -49,9 +49,13 @@ def check_run_folder(run_dir: Path, steps: int, *, rows_trained: bool = False) -
         for key in ("reward/mean", "loss", "grad_norm", "tokens_per_second", "seconds/train",
                     "sync/send_seconds", "eval/accuracy", "response_length/mean",
                     "staleness/mean", "format", "accuracy", "train/skipped_rows",
-                    "memory/peak_rss_gb", "reward/flat_group_fraction"):
+                    "memory/peak_rss_gb", "reward/flat_group_fraction", "accuracy_lenient",
+                    "response_length/clip_fraction", "eval/accuracy_lenient",
+                    "eval/accuracy_ci_low", "eval/accuracy_ci_high"):
             assert key in m, key
         assert m["skipped_step"] == 0 and 0 < m["memory/peak_rss_gb"] < 20
+        assert m["accuracy"] <= m["accuracy_lenient"]
+        assert m["eval/accuracy_ci_low"] <= m["eval/accuracy"] <= m["eval/accuracy_ci_high"]
         if m["train/skipped_rows"] < ROWS or rows_trained:
             for key in ("clip_fraction", "importance_weight_mean", "train/mb_fill"):
                 assert key in m, key
@@ -151,6 +155,23 @@ def test_resume_after_sigterm_continues_exactly(tiny_model_dir, gsm8k_file, tmp_
         assert a["reward/mean"] == b["reward/mean"]
 
 
+def test_the_reasoning_gym_recipe_trains_on_a_task_with_its_verifier(tiny_model_dir, tmp_path):
+    """recipes/reasoning_gym_grpo.py: the GRPO loop on reasoning-gym rows, scored by the
+    `reasoning_gym` reward, graded strict and lenient, eval on distinct held-out problems."""
+    args = tiny_args(tiny_model_dir, Path("unused"), tmp_path / "run", "--sampling.max-new-tokens",
+                     "3")
+    args[args.index("--dataset") + 1] = "reasoning_gym:chain_sum?max_terms=2&size=50"
+    result = run_recipe("reasoning_gym_grpo.py", args)
+    check_run_folder(tmp_path / "run", 2)
+    assert "50 train rows (seed 0), 4 distinct held-out eval rows (seed 50)" in result.stdout
+    prompt = json.loads((tmp_path / "run" / "samples.jsonl").read_text().splitlines()[0])["prompt"]
+    assert "arithmetic problem" in prompt and "Reply with only the final" in prompt
+    lines = metrics(tmp_path / "run")
+    # 3 new tokens: most completions are cut off, and the fraction says how many
+    assert max(m["response_length/clip_fraction"] for m in lines if m["step"]) > 0
+    assert {m["response_length/max"] for m in lines if m["step"]} <= {1.0, 2.0, 3.0}
+
+
 @pytest.mark.parametrize(("extra", "message"), [
     (["--workflow", "rlvrr"], "rlvr"),
     (["--reward", "gsm9k"], "gsm8k"),
@@ -160,6 +181,7 @@ def test_resume_after_sigterm_continues_exactly(tiny_model_dir, gsm8k_file, tmp_
     (["--workflow-config", '{"question_field": "query"}'], "query"),
     # rlvr passes answer=...; a reward without that parameter must not silently score 0
     (["--reward", "tests.rewards_for_tests:length"], "cannot take the arguments"),
+    (["--dataset", "reasoning_gym:chain_sum?max_term=3"], "unknown config key(s) ['max_term']"),
 ])
 def test_bad_input_is_named(tiny_model_dir, gsm8k_file, tmp_path, extra, message):
     result = run_recipe(RECIPE, tiny_args(tiny_model_dir, gsm8k_file, tmp_path / "run", *extra),

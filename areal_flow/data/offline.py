@@ -130,8 +130,12 @@ def load_rows(dataset: str, split: str) -> list[dict[str, Any]]:
 
 def train_eval_rows(dataset: str | None, eval_size: int) -> tuple[list[dict], list[dict], str]:
     """A recipe's train and eval rows and a line saying where they come from: the packaged
-    GSM8K file (None) or one local file or folder split like it, or a hub dataset's train and
-    test splits."""
+    GSM8K file (None) or one local file or folder split like it, a reasoning-gym task
+    (``reasoning_gym:<task>...``), or a hub dataset's train and test splits."""
+    from areal_flow.data import reasoning_gym
+
+    if reasoning_gym.is_spec(dataset):
+        return reasoning_gym.train_eval_rows(dataset, eval_size)
     if dataset is None:
         return gsm8k_offline_split(eval_size)
     if Path(dataset).exists():

@@ -52,6 +52,16 @@ def extract_answer(text: str) -> Decimal | None:
     return _to_decimal(last) if last else None
 
 
+def grade(completion: str, answer: str) -> dict[str, float]:
+    """Strict ("accuracy": the final number read by the rules above is right), lenient
+    ("accuracy_lenient": the right number appears anywhere) and "format" (``#### N`` used)."""
+    expected = extract_answer(str(answer))
+    anywhere = {_to_decimal(m) for m in _NUMBER.finditer(completion)}
+    return {"accuracy": float(expected is not None and extract_answer(completion) == expected),
+            "accuracy_lenient": float(expected is not None and expected in anywhere),
+            "format": float(has_answer_format(completion))}
+
+
 def has_answer_format(text: str) -> bool:
     """True when the completion states its answer as ``#### N``."""
     return "####" in text and _first_number(text.rsplit("####", 1)[1]) is not None
