@@ -13,10 +13,12 @@ from matplotlib.figure import Figure
 DEFAULT_KEYS = (
     # reward
     "reward/mean", "reward/std", "eval/reward",
-    # accuracy
-    "accuracy", "format", "eval/accuracy", "eval/format",
-    # response length
-    "response_length/mean", "response_length/max",
+    # accuracy: strict and lenient (eval/accuracy drawn with its 95% interval)
+    "accuracy", "accuracy_lenient", "format", "eval/accuracy", "eval/accuracy_lenient",
+    "eval/format",
+    # what GRPO can learn from, and response length
+    "reward/flat_group_fraction", "response_length/mean", "response_length/max",
+    "response_length/clip_fraction",
     # how far the policy moved: KL, clipping, importance weights
     "approx_kl", "kl_ref", "clip_fraction", "capped_fraction",
     "importance_weight_mean", "importance_weight_max",
@@ -86,7 +88,12 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path | None = None,
         for name, curves in runs.items():
             if key in curves:
                 steps, values = curves[key]
-                axes.plot(steps, values, label=name, marker="." if len(steps) < 30 else None)
+                line, = axes.plot(steps, values, label=name,
+                                  marker="." if len(steps) < 30 else None)
+                low, high = curves.get(f"{key}_ci_low"), curves.get(f"{key}_ci_high")
+                if low and high and low[0] == steps == high[0]:  # an interval logged with it
+                    axes.fill_between(steps, low[1], high[1], color=line.get_color(), alpha=0.15,
+                                      linewidth=0)
         axes.set_xlabel("step")
         axes.set_ylabel(key)
         axes.grid(alpha=0.3)

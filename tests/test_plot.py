@@ -94,3 +94,18 @@ def test_a_broken_line_is_an_error_naming_file_and_line(tmp_path):
         f.write("not json\n")
     with pytest.raises(ValueError, match="metrics.jsonl, line 2"):
         plot_runs([run], tmp_path / "x.png")
+
+
+def test_a_metric_logged_with_its_interval_is_drawn_with_a_band(tmp_path):
+    run_dir = RunDir(tmp_path / "run")
+    for step in STEPS:
+        run_dir.log_metrics(step, {"eval/accuracy": 0.1 * step,
+                                   "eval/accuracy_ci_low": 0.1 * step - 0.05,
+                                   "eval/accuracy_ci_high": 0.1 * step + 0.07})
+    figure = plot_runs([tmp_path / "run"], keys=["eval/accuracy"])
+    (band,) = figure.axes[0].collections
+    vertices = band.get_paths()[0].vertices
+    for step in STEPS:  # the band spans low..high at each step
+        ys = vertices[vertices[:, 0] == step][:, 1]
+        assert min(ys) == pytest.approx(0.1 * step - 0.05)
+        assert max(ys) == pytest.approx(0.1 * step + 0.07)

@@ -73,6 +73,13 @@ def test_the_numeric_answer_is_the_last_number_and_lenient_finds_it_anywhere():
     assert grade("no number here", entry)["format"] == 0.0
 
 
+def test_lenient_finds_a_one_word_answer_inside_a_sentence():
+    train, _, _ = offline.train_eval_rows("reasoning_gym:syllogism?size=20", 5)
+    entry = train[0]["answer"]
+    assert grade(f"{entry['answer']}, because of the first statement.", entry) == {
+        "accuracy": 0.0, "accuracy_lenient": 1.0, "format": 1.0}
+
+
 @settings(max_examples=150, deadline=None)
 @given(completion=completion_text(), index=st.integers(0, 19))
 def test_the_reward_takes_any_text_and_scores_it_deterministically_in_range(completion, index):

@@ -7,7 +7,7 @@ The answer is taken from a completion like this (the *strict* answer):
 3. else the completion's last non-empty line, without a trailing period.
 The task's `score_answer` then scores it (reasoning-gym's verifiers give 1.0 for a correct
 answer; some give partial credit). `grade` also reports the *lenient* score: the best score of
-any number or line in the completion, i.e. the right answer written anywhere. A strict score that
+any number, word or line in the completion, i.e. the right answer written anywhere. A strict score that
 rises while the lenient one does not is format learning, not problem solving.
 """
 
@@ -21,6 +21,7 @@ from areal_flow.reward import reward
 
 _TAGGED = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+_WORD = re.compile(r"\w+")
 
 
 def _is_number(text: str) -> bool:
@@ -40,9 +41,9 @@ def extract_answer(completion: str, reference: str) -> str | None:
 
 
 def _candidates(completion: str) -> set[str]:
-    """Every number and non-empty line of a completion: what the lenient score tries."""
+    """Every number, word and non-empty line of a completion: what the lenient score tries."""
     lines = {line.strip().removesuffix(".") for line in completion.splitlines() if line.strip()}
-    return set(_NUMBER.findall(completion)) | lines
+    return set(_NUMBER.findall(completion)) | set(_WORD.findall(completion)) | lines
 
 
 @functools.cache
