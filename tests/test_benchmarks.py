@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -31,3 +33,17 @@ def test_run_collects_each_modules_table_and_json(tmp_path):
     run = json.loads((tmp_path / "run.json").read_text())
     assert [(m["name"], m["exit"]) for m in run["modules"]] == [("scheduler", 0)]
     assert not (tmp_path / "rewards.png").exists()  # no end-to-end run, no curves
+
+
+def test_time_to_accuracy_reads_the_first_eval_at_or_above_each_threshold(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from time_to_accuracy import thresholds, time_to_threshold
+
+    assert thresholds(0.2, 0.2) is None and thresholds(0.3, 0.1) is None  # nothing learned
+    levels = thresholds(1 / 200, 11 / 200)
+    assert levels == {0.5: pytest.approx(6 / 200), 0.7: pytest.approx(8 / 200)}
+    curve = [(0.0, 1 / 200), (50.0, 4 / 200), (90.0, 6 / 200), (130.0, 5 / 200), (170.0, 11 / 200)]
+    # 1/200 + 0.5 * (11/200 - 1/200) is 0.030000000000000002 in floats: 6/200 still reaches it
+    assert time_to_threshold(curve, levels[0.5]) == 90.0
+    assert time_to_threshold(curve, levels[0.7]) == 170.0  # not 130: the first at or above
+    assert time_to_threshold(curve, 12 / 200) is None
