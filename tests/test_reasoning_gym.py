@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import builtins
 import math
+import re
 import sys
 
 import pytest
@@ -111,6 +112,18 @@ def test_eval_rows_are_distinct_held_out_problems_from_another_seed():
     shifted = rg_data._create("chain_sum", {"min_terms": 2, "max_terms": 3, "max_digits": 1},
                               size=10, seed=1)
     assert shifted[0]["question"] == train[1]["question"]
+
+
+def test_an_eval_set_skewed_by_skipping_training_questions_is_warned_about():
+    # 2-3 terms: training (2,000 rows) holds nearly all 300 two-term problems, so eval loses them
+    small = "reasoning_gym:basic_arithmetic?min_terms=2&max_terms=3&max_digits=1" \
+            "&operators=['+','-','*']&allow_parentheses=false&allow_negation=false"
+    train, evaluation, note = offline.train_eval_rows(f"{small}&size=2000", 200)
+    two_terms = [sum(r["answer"]["metadata"]["num_terms"] == 2 for r in rows) / len(rows)
+                 for rows in (train, evaluation)]
+    assert two_terms[0] > 0.4 and two_terms[1] < 0.1
+    assert re.search(r"WARNING: \d+% of the problems drawn for eval were training questions", note)
+    assert "WARNING" not in offline.train_eval_rows(f"{small}&size=50", 200)[2]
 
 
 def test_a_task_too_small_for_a_disjoint_eval_set_is_refused_with_the_counts():

@@ -13,7 +13,9 @@ Eval rows come from the same config with seed ``seed + size``: reasoning-gym dra
 ``Random(seed + i)``, so seed + 1 would repeat the training problems shifted by one. A generated
 problem whose question is also a training question, or an earlier eval question, is skipped, so
 eval rows are distinct and disjoint from training rows; a config too small to leave that many
-fails with the counts.
+fails with the counts. Skipping is not neutral in a small problem space: the problems training
+covers (e.g. all 300 two-term one-digit sums) vanish from eval, which then holds the rarer, harder
+ones, so the note warns when over 20% of eval draws were training questions.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import yaml
 PREFIX = "reasoning_gym:"
 INSTALL = "pip install 'areal-flow[reasoning-gym]'"
 TRAIN_SIZE = 10_000
+SKEW_WARNING = 0.2
+"""Above this fraction of eval draws skipped as training questions, the note warns."""
 
 
 def is_spec(dataset: str | None) -> bool:
@@ -82,12 +86,16 @@ def train_eval_rows(spec: str, eval_size: int) -> tuple[list[dict], list[dict], 
     seed = int(config.pop("seed", 0))
     train = [{"question": e["question"], "answer": e} for e in _create(task, config, size=size,
                                                                       seed=seed)]
-    seen = {row["question"] for row in train}
+    training_questions = {row["question"] for row in train}
+    seen = set(training_questions)
     evaluation: list[dict] = []
+    drawn = in_training = 0
     # asking for 10x the rows leaves room for the problems skipped as already seen
     for entry in _create(task, config, size=max(10 * eval_size, 16), seed=seed + size):
         if len(evaluation) == eval_size:
             break
+        drawn += 1
+        in_training += entry["question"] in training_questions
         if entry["question"] not in seen:
             seen.add(entry["question"])
             evaluation.append({"question": entry["question"], "answer": entry})
@@ -97,4 +105,9 @@ def train_eval_rows(spec: str, eval_size: int) -> tuple[list[dict], list[dict], 
                          "and each other; lower size or eval-size, or widen the task config")
     note = (f"data: reasoning-gym {task} {config or '(defaults)'}: {len(train):,} train rows "
             f"(seed {seed}), {len(evaluation):,} distinct held-out eval rows (seed {seed + size})")
+    if in_training > drawn * SKEW_WARNING:
+        # the skipped problems are the likeliest ones: the eval set is not the task's distribution
+        note += (f"; WARNING: {in_training / drawn:.0%} of the problems drawn for eval were "
+                 "training questions and were skipped, so eval over-represents the problems "
+                 "training rarely sees; lower size or widen the task config")
     return train, evaluation, note
