@@ -79,7 +79,7 @@ INSTALL = ("python3 -m venv .venv-bench && . .venv-bench/bin/activate && "
            "pip install -r benchmarks/requirements.txt")
 # recipes/reasoning_gym_grpo.py's defaults
 TASK = ("reasoning_gym:basic_arithmetic?min_terms=2&max_terms=3&max_digits=1"
-        "&operators=['+','-','*']&allow_parentheses=false&allow_negation=false&size=2000")
+        "&operators=['+','-','*']&allow_parentheses=false&allow_negation=false&size=200")
 PROMPT = "{question} Reply with only the final answer."
 FRACTIONS = (0.5, 0.7)
 FULL = {"steps": 50, "eval_every": 10, "eval_size": 200, "prompts": 4, "group": 8,
