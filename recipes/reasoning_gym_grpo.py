@@ -1,7 +1,8 @@
-"""GRPO on a reasoning-gym task: the GSM8K GRPO recipe's loop (recipes/gsm8k_grpo.py) with
-defaults under which SmolLM2-135M-Instruct learns to be correct on a 2-core CPU in 15 minutes.
+"""GRPO on a reasoning-gym task: the GSM8K GRPO recipe's loop (recipes/gsm8k_grpo.py) with the
+defaults our search found best for SmolLM2-135M-Instruct on a 2-core CPU (29% -> 28-44% greedy
+accuracy over 3 seeds in about 10 minutes; benchmarks/results/reasoning_gym_search.md).
 
-    python recipes/reasoning_gym_grpo.py                        # basic_arithmetic, ~15 min
+    python recipes/reasoning_gym_grpo.py                        # basic_arithmetic, ~10 min
     python recipes/reasoning_gym_grpo.py --dataset 'reasoning_gym:chain_sum?max_terms=3&size=2000'
     python recipes/reasoning_gym_grpo.py --help                 # every option
 
@@ -28,7 +29,7 @@ from gsm8k_grpo import main
 class Config(GSM8KConfig):
     """GRPO on a reasoning-gym task. Defaults: one-digit +, -, * expressions of 2-3 terms, 200
     training problems (one epoch in 50 steps: with 2,000, training would hold nearly all 300
-    two-term problems and the disjoint eval set only the harder three-term ones), about 15
+    two-term problems and the disjoint eval set only the harder three-term ones), about 10
     minutes on a 2-core CPU."""
 
     NAME: ClassVar[str] = "reasoning_gym_grpo"
@@ -42,7 +43,7 @@ class Config(GSM8KConfig):
     steps: int = 50
     save_every: int = 50
     # 4 prompts x 8 completions x 24 tokens: ~14 s a step on 2 cores (8 prompts: ~30 s); lr
-    # 1e-4 collapsed within 15 steps in the search, 5e-5 and below did not (see the README)
+    # 1e-4 collapsed within 15 steps in the search, 5e-5 and below did not (benchmarks/results/reasoning_gym_search.md)
     rollout: RolloutConfig = RolloutConfig(batch_size=4, group_size=8, max_staleness=1,
                                            max_concurrent=64)
     sampling: SamplingParams = SamplingParams(max_new_tokens=24, temperature=1.0)
