@@ -18,7 +18,7 @@ DEFAULT_KEYS = (
     "eval/format",
     # what GRPO can learn from, and response length
     "reward/flat_group_fraction", "response_length/mean", "response_length/max",
-    "response_length/clip_fraction",
+    "response_length/clip_fraction", "eval/response_length", "work_shown", "eval/work_shown",
     # how far the policy moved: KL, clipping, importance weights
     "approx_kl", "kl_ref", "clip_fraction", "capped_fraction",
     "importance_weight_mean", "importance_weight_max",

@@ -60,7 +60,7 @@ def main(cfg: Config) -> None:
 
     pool = scheduler = rewards = None
     display = LiveDisplay(cfg.steps, start, enabled=rank == 0, columns={
-        "reward/mean": "reward", "format": "format", "accuracy": "acc",
+        "reward/mean": "reward", "format": "format", "work_shown": "work", "accuracy": "acc",
         "reward/flat_group_fraction": "flat groups", "response_length/mean": "length",
         "eval/accuracy": "eval acc", "eval/accuracy_ci_low": "95% CI low",
         "eval/accuracy_ci_high": "high", "eval/accuracy_lenient": "lenient",

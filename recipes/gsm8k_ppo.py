@@ -65,7 +65,7 @@ def main(cfg: Config) -> None:
 
     pool = scheduler = rewards = None
     display = LiveDisplay(cfg.steps, start, enabled=rank == 0, columns={
-        "reward/mean": "reward", "format": "format", "accuracy": "acc",
+        "reward/mean": "reward", "format": "format", "work_shown": "work", "accuracy": "acc",
         "critic/value_loss": "value loss", "eval/accuracy": "eval acc",
         "tokens_per_second": "tok/s",
         "staleness/mean": "staleness", "seconds/step": "s/step"})

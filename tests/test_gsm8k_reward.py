@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from areal_flow import rewards
-from areal_flow.reward.gsm8k import extract_answer, gsm8k
+from areal_flow.reward.gsm8k import extract_answer, gsm8k, shows_work
 from areal_flow.testing.contract import check_reward
 from areal_flow.testing.strategies import formatted_numbers
 from tests.helpers import run_cli
@@ -83,3 +83,32 @@ def test_the_format_component_is_weighted_in():
     assert gsm8k("It is 72.", answer="72", format_weight=0.2) == pytest.approx(0.8)
     assert gsm8k("#### 71", answer="72", format_weight=0.2) == pytest.approx(0.2)
     assert gsm8k("71", answer="72", format_weight=0.2) == 0.0
+
+
+@pytest.mark.parametrize(("text", "worked"), [
+    ("8 * 9 = 72. #### 72", True),
+    ("8 bags of 9: 8 x 9 = 72 apples", True),
+    ("She pays $3 + $4 = $7 in all.", True),
+    ("12/4=3, so 3", True),
+    ("#### 72", False),
+    ("72", False),
+    ("#### 72 because 8 * 9 = 72", False),  # the work must come before the answer
+    ("8 * 9 is a lot. #### 72", False),  # an expression without its result
+    ("the years 2019-2020 = a long time", False),
+])
+def test_shown_work_is_a_calculation_before_the_answer(text, worked):
+    assert shows_work(text) is worked
+    assert gsm8k(text, answer="72", require_work=True) == float(worked and "72" in text)
+
+
+def test_the_recipes_default_reward_pays_only_for_a_right_answer_after_shown_work():
+    from areal_flow import gsm8k_rl, registry
+    from areal_flow.gsm8k_rl import RLConfig
+
+    config = gsm8k_rl.workflow_config(RLConfig())
+    score = registry.rewards.get(config.reward).fn
+    reference = "She has 8 bags of 9. 8 * 9 = 72. #### 72"
+    for unearned in ("#### 71", "#### 72", "72", "8 * 9 = 71. #### 71"):
+        assert score(unearned, answer=reference, **config.reward_kwargs) == 0.0, unearned
+    for earned in ("8 * 9 = 72. #### 72", "8 bags of 9 make 8 * 9 = 72 apples."):
+        assert score(earned, answer=reference, **config.reward_kwargs) == 1.0, earned

@@ -167,11 +167,11 @@ def test_a_missing_package_names_the_install_command(monkeypatch):
 
 def test_the_gsm8k_grader_separates_the_read_answer_from_the_number_anywhere():
     assert gsm8k.grade("18 eggs... #### 18", "#### 18") == {
-        "accuracy": 1.0, "accuracy_lenient": 1.0, "format": 1.0}
-    assert gsm8k.grade("she has 18, so #### 20", "#### 18") == {
-        "accuracy": 0.0, "accuracy_lenient": 1.0, "format": 1.0}
+        "accuracy": 1.0, "accuracy_lenient": 1.0, "format": 1.0, "work_shown": 0.0}
+    assert gsm8k.grade("she has 9 + 9 = 18, so #### 20", "#### 18") == {
+        "accuracy": 0.0, "accuracy_lenient": 1.0, "format": 1.0, "work_shown": 1.0}
     assert gsm8k.grade("I think 7", "#### 18") == {
-        "accuracy": 0.0, "accuracy_lenient": 0.0, "format": 0.0}
+        "accuracy": 0.0, "accuracy_lenient": 0.0, "format": 0.0, "work_shown": 0.0}
 
 
 # The Wilson interval is the set of p that a two-sided score test at level 5% does not reject:

@@ -20,6 +20,8 @@ _NUMBER = re.compile(
     r"(-)?\s?\$?\s?((?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)\s?%?", re.ASCII
 )
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+_CALCULATION = re.compile(r"\d\s*[-+*/×÷x]\s*\$?\d[\d,.]*\s*%?\s*=\s*\$?\s*-?\d", re.ASCII)
+"""One worked step: a number, an operator, a number, '=' and a number (``8 * 9 = 72``)."""
 
 
 def _to_decimal(match: re.Match[str]) -> Decimal | None:
@@ -54,12 +56,14 @@ def extract_answer(text: str) -> Decimal | None:
 
 def grade(completion: str, answer: str) -> dict[str, float]:
     """Strict ("accuracy": the final number read by the rules above is right), lenient
-    ("accuracy_lenient": the right number appears anywhere) and "format" (``#### N`` used)."""
+    ("accuracy_lenient": the right number appears anywhere), "format" (``#### N`` used) and
+    "work_shown" (a calculation comes before the final answer, see `shows_work`)."""
     expected = extract_answer(str(answer))
     anywhere = {_to_decimal(m) for m in _NUMBER.finditer(completion)}
     return {"accuracy": float(expected is not None and extract_answer(completion) == expected),
             "accuracy_lenient": float(expected is not None and expected in anywhere),
-            "format": float(has_answer_format(completion))}
+            "format": float(has_answer_format(completion)),
+            "work_shown": float(shows_work(completion))}
 
 
 def has_answer_format(text: str) -> bool:
@@ -67,13 +71,26 @@ def has_answer_format(text: str) -> bool:
     return "####" in text and _first_number(text.rsplit("####", 1)[1]) is not None
 
 
+def shows_work(text: str) -> bool:
+    """True when a calculation (``a op b = c``) comes before the last ``#### N`` (anywhere when
+    there is none): the completion reasoned, whether or not its arithmetic is right."""
+    before = text.rsplit("####", 1)[0] if has_answer_format(text) else text
+    return _CALCULATION.search(before) is not None
+
+
 @reward("gsm8k", timeout=5.0, default=0.0, range=(0.0, 1.0))
-def gsm8k(completion: str, *, answer: str, format_weight: float = 0.0) -> float:
-    """1 for the right final number, else 0; with `format_weight` w in [0, 1] the score is
-    ``(1 - w) * correct + w * uses_#### _format`` (the small-model demo needs that signal).
-    `answer` may be a bare number or a full GSM8K solution ending in ``#### N``."""
+def gsm8k(completion: str, *, answer: str, format_weight: float = 0.0,
+          require_work: bool = False) -> float:
+    """1 for the right final number, else 0; with `require_work`, the right number counts only
+    after a shown calculation (`shows_work`), so a bare guess earns nothing. With
+    `format_weight` w in [0, 1] the score is ``(1 - w) * correct + w * uses_#### _format``, a
+    denser signal for the benchmarks that a policy can win by printing '#### <any number>' (the
+    recipes' default leaves it at 0). `answer` may be a bare number or a full GSM8K solution
+    ending in ``#### N``."""
     w = min(max(float(format_weight), 0.0), 1.0)
     reference = extract_answer(answer)
     predicted = extract_answer(completion)
-    correct = float(reference is not None and predicted is not None and predicted == reference)
-    return (1.0 - w) * correct + w * float(has_answer_format(completion))
+    correct = reference is not None and predicted is not None and predicted == reference
+    if require_work:
+        correct = correct and shows_work(completion)
+    return (1.0 - w) * float(correct) + w * float(has_answer_format(completion))
