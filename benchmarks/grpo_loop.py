@@ -6,8 +6,10 @@ engine, one process per run, with what each step generated, trained and re-prefi
            fraction of completion tokens in a fixed id set (tests/test_learning.py), EOS never
            ends a completion.
   smollm2  (full runs only) SmolLM2-135M-Instruct on GSM8K rows in file order, the recipe's
-           prompt and reward (areal_flow.reward.gsm8k with format_weight 0.5), 2 prompts x 4
-           completions x 64 tokens.
+           prompt, areal_flow.reward.gsm8k with format_weight 0.5 (the recipe's reward until
+           2026-11-25: denser than its correctness-after-shown-work reward, so that the steps
+           in these timings train instead of skipping flat groups), 2 prompts x 4 completions
+           x 64 tokens.
 fp32 weights for generation and training, temperature 1.0, constant lr, AdamW, grad-norm clip
 1.0, no KL, one optimizer step per batch with no extra forward pass for old logprobs.
 """
@@ -24,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 WORKER_ENV = "AREAL_FLOW_BENCH_WORKER"
 TARGET = set(range(10, 60))  # the learnable reward of tests/test_learning.py
-FORMAT_WEIGHT = 0.5  # the recipe's default rlvr config
+FORMAT_WEIGHT = 0.5  # a dense reward: few flat groups, so every timed step trains
 
 
 def problems(quick: bool, tmp: Path, smollm2_steps: int, default_shape: bool = False) -> list[dict]:

@@ -33,7 +33,7 @@ from areal_flow.runtime.engine import TrainEngine
 
 @attrs.frozen(kw_only=True)
 class Config(gsm8k_rl.RLConfig):
-    """GRPO on GSM8K. Defaults run offline on a CPU in about 20 minutes."""
+    """GRPO on GSM8K. Defaults run offline on a 2-core CPU in about 10 minutes."""
 
     NAME: ClassVar[str] = "gsm8k_grpo"  # run folders are runs/<NAME>-<time>
 
