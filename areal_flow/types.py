@@ -64,8 +64,9 @@ class SamplingParams:
     """Extra token ids that end generation (the model's EOS always does unless ignore_eos)."""
     ignore_eos: bool = False
     """Keep generating past EOS (benchmarks and interruption tests)."""
-    seed: int | None = None
-    """Per-request sampling seed, for reproducible sampled generations."""
+    seed: int | None = attrs.field(default=None,
+                                   validator=v.optional([v.ge(0), v.lt(2**64)]))
+    """Per-request sampling seed in [0, 2**64), for reproducible sampled generations."""
 
     def __attrs_post_init__(self) -> None:
         if self.top_k == 0:

@@ -205,6 +205,24 @@ def test_sampling_seed_makes_sampled_generations_repeatable(server):
     assert len(a["meta_info"]["output_token_logprobs"]) == 16
 
 
+def test_a_bad_request_never_fails_the_requests_running_beside_it(server, hook):
+    expected = list(engine_greedy(server, server.prompt, 20).token_ids)
+    fired = threading.Event()
+    hook(freeze_after(server.state, requests=2, steps=2, fired=fired))
+    greedy = dict(max_new_tokens=20, temperature=0.0, ignore_eos=True)
+    with ThreadPoolExecutor(3) as pool:
+        good = [pool.submit(post_generate, server, server.prompt, rid=f"beside-{i}", **greedy)
+                for i in range(2)]
+        assert fired.wait(30)  # both are mid-generation, the engine paused
+        bad = pool.submit(post_generate, server, [*server.prompt, 10**9], rid="out-of-vocab",
+                          max_new_tokens=5)
+        wait_for(lambda: bad.done() or "out-of-vocab" in server.state.inflight,
+                 what="the bad request to be refused or queued")
+        server.engine.resume()  # a queued bad request would now join the running batch
+        assert bad.result(60).status_code == 400
+        assert [ok(f.result(60))["output_ids"] for f in good] == [expected, expected]
+
+
 # ---------------------------------------------------------------------------- pause, abort
 
 
@@ -393,6 +411,15 @@ BAD_BODIES = [
     ("/generate", {"input_ids": [1, "a"]}, "input_ids"),
     ("/generate", {"input_ids": []}, "input_ids"),
     ("/generate", {"input_ids": [[1, 2], [3]]}, "batch"),
+    ("/generate", {"input_ids": [1, 10**9]}, "input_ids"),  # beyond the vocabulary
+    ("/generate", {"input_ids": [1, -1]}, "input_ids"),
+    ("/generate", {"input_ids": [1], "sampling_params": {"stop_token_ids": [10**9]}},
+     "stop_token_ids"),
+    ("/generate", {"input_ids": [1], "sampling_params": {"sampling_seed": 2**64}},
+     "sampling_seed"),
+    ("/generate", {"input_ids": [1], "sampling_params": "x"}, "sampling_params"),
+    ("/generate", b'{"input_ids": [1], "rid": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+     "nested"),
     ("/generate", {"input_ids": [1], "text": "hi"}, "text"),
     ("/generate", {"input_ids": [1], "stream": True}, "stream"),
     ("/generate", {"input_ids": [1], "return_logprob": "yes"}, "return_logprob"),

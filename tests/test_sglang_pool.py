@@ -8,18 +8,25 @@ the servers report (`/get_load`, `/model_info`) or what the pool reports (`serve
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
+import math
 import os
 import signal
+import socket
+import threading
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
+import uvicorn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from areal_flow import generation_pools
 from areal_flow.inference.launcher import SGLangLauncher, serve_command
+from areal_flow.inference.local import LocalEngine
+from areal_flow.inference.server import build_app
 from areal_flow.inference.sglang_pool import SGLangPool, WeightUpdateError, _resubmission_seed
 from areal_flow.runtime import weight_sync
 from areal_flow.runtime.engine import TrainConfig, TrainEngine
@@ -331,6 +338,76 @@ def test_a_server_killed_mid_request_loses_nothing(cluster, addrs, http, tiny_mo
         assert list(out.token_ids) == greedy_reference(model, r.input_ids, n)
         assert out.text == decode(list(out.token_ids), skip_special_tokens=True)
     assert stats["dead_servers"] == 1 and stats["retries"] >= 2 and stats["requests"] == 4
+
+
+@contextlib.contextmanager
+def served_with_500s(model_dir, failures: float):
+    """The real protocol server in this process behind an ASGI wrapper that answers its first
+    `failures` /generate calls with 500; yields (address, calls still to fail)."""
+    engine = LocalEngine(model_dir, max_batch_size=8)
+    app = build_app(engine)
+    left = {"n": failures}
+
+    async def wrapper(scope, receive, send):
+        if scope["type"] == "http" and scope["path"] == "/generate" and left["n"] > 0:
+            left["n"] -= 1
+            await send({"type": "http.response.start", "status": 500,
+                        "headers": [(b"content-type", b"application/json")]})
+            await send({"type": "http.response.body",
+                        "body": b'{"error": {"message": "injected"}}'})
+            return
+        await app(scope, receive, send)
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    uv = uvicorn.Server(uvicorn.Config(wrapper, log_level="warning"))
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: uv.started, what="uvicorn to start")
+        yield f"127.0.0.1:{sock.getsockname()[1]}", left
+    finally:
+        uv.should_exit = True
+        thread.join(timeout=30)
+        engine.close()
+
+
+def test_a_5xx_answer_is_retried_and_never_takes_the_server_out(tiny_model_dir):
+    """A server that answers, even 500, is alive: the request is retried and the server stays
+    in rotation (taken out, it would leave the request waiting for a server: 10 s here)."""
+    prompt = prompts(1)[0]
+    with served_with_500s(tiny_model_dir, failures=2) as (address, left):
+        pool = SGLangPool([address], no_server_timeout=10)
+        try:
+            out = run(pool.generate(greedy(prompt, 6)))
+            stats = pool.stats()
+            assert [s["in_rotation"] for s in pool.servers()] == [True]
+        finally:
+            pool.close()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    assert left["n"] == 0 and list(out.token_ids) == greedy_reference(model, prompt, 6)
+    assert stats["dead_servers"] == 0 and stats["retries"] == 2
+
+
+def test_after_a_5xx_the_retry_goes_to_another_server(tiny_model_dir):
+    reqs = [greedy(p, 4) for p in prompts(4)]
+    with served_with_500s(tiny_model_dir, failures=math.inf) as (broken, _), \
+            served_with_500s(tiny_model_dir, failures=0) as (working, _):
+        pool = SGLangPool([broken, working], retries=1, no_server_timeout=10)
+        try:
+            outs = generate_all(pool, reqs)
+            stats = pool.stats()
+            routes = routed(pool)
+            assert all(s["in_rotation"] for s in pool.servers())
+        finally:
+            pool.close()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    assert [list(o.token_ids) for o in outs] == [greedy_reference(model, r.input_ids, 4)
+                                                for r in reqs]
+    # least-loaded routing sent some first tries to the broken server; each retried once, on
+    # the working one (retries=1: a second try on the broken one would have failed the request)
+    assert routes[broken] >= 1 and routes[working] == 4
+    assert stats["retries"] == routes[broken] and stats["dead_servers"] == 0
 
 
 GROUP_TIMEOUT = datetime.timedelta(seconds=60)

@@ -124,6 +124,7 @@ class LocalEngine:
         self.max_batch_size = max_batch_size
         self.share_prefix = share_prefix
         self.max_length = getattr(self.model.config, "max_position_embeddings", None)
+        self.vocab_size = self.model.get_input_embeddings().num_embeddings
         eos = self.model.generation_config.eos_token_id
         eos = eos if isinstance(eos, list) else [eos]
         self.eos_token_ids = {t for t in [*eos, self.tokenizer.eos_token_id] if t is not None}
@@ -182,7 +183,14 @@ class LocalEngine:
             raise
 
     def submit(self, request: GenerationRequest) -> _Sequence:
-        """Queue `request`; its future resolves to the `Completion`."""
+        """Queue `request`; its future resolves to the `Completion`. A request the model cannot
+        run raises ValueError here, before it could join (and fail) a batch of others."""
+        for field, ids in (("input_ids", request.input_ids),
+                           ("stop_token_ids", request.sampling.stop_token_ids)):
+            bad = next((i for i, t in enumerate(ids) if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"'{field}' holds token id {ids[bad]} at position {bad}, outside "
+                                 f"the model's vocabulary [0, {self.vocab_size})")
         total = len(request.input_ids) + request.sampling.max_new_tokens
         if self.max_length is not None and total > self.max_length:
             raise ValueError(

@@ -135,7 +135,10 @@ class _Sampling:
     min_p: float = 0.0
     stop_token_ids: list[int] = attrs.field(factory=list)
     ignore_eos: bool = False
-    sampling_seed: int | None = None
+    sampling_seed: int | None = attrs.field(default=None,
+                                            validator=attrs.validators.optional(
+                                                [attrs.validators.ge(0),
+                                                 attrs.validators.lt(2**64)]))
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     spaces_between_special_tokens: bool = True  # text layout only
@@ -292,12 +295,17 @@ async def _parse(request: Request, cls: type) -> Any:
     raw = await request.body()
     try:
         data = json.loads(raw) if raw.strip() else {}
+        if not isinstance(data, dict):
+            raise BadRequest("the request body must be a JSON object")
+        data = _without_nulls(data)
+    except RecursionError:
+        raise BadRequest("the request body is nested too deeply") from None
+    except BadRequest:
+        raise
     except ValueError:
         raise BadRequest("the request body is not valid JSON") from None
-    if not isinstance(data, dict):
-        raise BadRequest("the request body must be a JSON object")
     try:
-        return _converter.structure(_without_nulls(data), cls)
+        return _converter.structure(data, cls)
     except Exception as exc:  # cattrs gathers every problem with its path
         problems = cattrs.transform_error(exc, path="body", format_exception=_describe)
         raise BadRequest("; ".join(problems)) from None

@@ -73,7 +73,12 @@ class WeightUpdateError(RuntimeError):
 
 
 class _ServerDown(Exception):
-    """The server did not answer (connection refused/reset, timeout, 5xx)."""
+    """The server did not answer (connection refused/reset, timeout)."""
+
+
+class _ServerError(Exception):
+    """The server answered 5xx: it is alive (its health checks decide more), the request is
+    retried, on another server where there is one."""
 
 
 @attrs.define(eq=False)
@@ -109,6 +114,8 @@ class _Active:
     versions: list[int] = attrs.field(factory=list)
     texts: list[str | None] = attrs.field(factory=list)
     server: _Server | None = None
+    failed_on: _Server | None = None
+    """The server that last answered 5xx: the next try prefers any other."""
     wire_rid: str | None = None
     posted: bool = False
     cancelled: bool = False
@@ -494,12 +501,16 @@ class SGLangPool:
             try:
                 reply = await self._post_generate(server, self._body(active))
                 versions = _token_versions(reply["meta_info"], len(reply["output_ids"]))
-            except _ServerDown as exc:
-                self._take_out(server, exc)
+            except (_ServerDown, _ServerError) as exc:
+                if isinstance(exc, _ServerDown):
+                    self._take_out(server, exc)
+                else:  # it answered, so it is alive; the next try goes elsewhere if it can
+                    active.failed_on = server
+                    log.warning("retrying request %r: %s", active.request.rid, exc)
                 active.failures += 1
                 if active.failures > self._retries:
-                    raise GenerationError(f"request {active.request.rid!r} failed on "
-                                          f"{active.failures} servers; last: {exc}") from exc
+                    raise GenerationError(f"request {active.request.rid!r} failed "
+                                          f"{active.failures} times; last: {exc}") from exc
                 self._counts["retries"] += 1
                 continue
             except asyncio.CancelledError:
@@ -534,7 +545,8 @@ class SGLangPool:
 
     async def _route(self, active: _Active) -> _Server:
         """The server for the next attempt: the previous one, else the episode's, else the least
-        loaded (ties: the one given fewer requests so far)."""
+        loaded (ties: the one given fewer requests so far); after a 5xx answer, any other server
+        in rotation before the one that gave it."""
         rotation = self._rotation()
         if not rotation:
             try:
@@ -548,12 +560,13 @@ class SGLangPool:
                     f"{sorted(self._servers)}") from None
         episode = active.request.episode_id
         sticky = self._sticky.get(episode) if episode is not None else None
-        if active.server is not None and active.server.in_rotation:
+        others = [s for s in rotation if s is not active.failed_on] or rotation
+        if active.server is not None and active.server in others:
             chosen = active.server
-        elif sticky is not None and sticky.in_rotation:
+        elif sticky is not None and sticky in others:
             chosen = sticky
         else:
-            chosen = min(rotation, key=lambda s: (s.inflight, s.routed))
+            chosen = min(others, key=lambda s: (s.inflight, s.routed))
         if episode is not None:
             self._sticky[episode] = chosen
             self._sticky.move_to_end(episode)
@@ -587,8 +600,8 @@ class SGLangPool:
         except httpx.TransportError as exc:
             raise _ServerDown(f"{server.address}: {exc!r}") from exc
         if response.status_code >= 500:
-            raise _ServerDown(f"{server.address} answered {response.status_code}: "
-                              f"{_error_message(response)}")
+            raise _ServerError(f"{server.address} answered {response.status_code}: "
+                               f"{_error_message(response)}")
         if response.status_code != 200:
             raise GenerationError(f"{server.address} refused the request "
                                   f"({response.status_code}): {_error_message(response)}")
