@@ -10,11 +10,13 @@ cleanly through `StopRequest`; `RunConfig` holds the options every recipe shares
 from __future__ import annotations
 
 import json
+import os
 import resource
 import shutil
 import signal
 import threading
 import time
+import warnings
 from collections.abc import Iterable
 from datetime import datetime
 from pathlib import Path
@@ -28,7 +30,9 @@ from areal_flow import registry
 from areal_flow.config import dump, unstructure
 
 COMPLETE = "COMPLETE"
-"""Marker written into a checkpoint folder once everything in it is on disk."""
+"""Marker written into a checkpoint folder once everything in it is on disk: a JSON manifest of
+every file's size, checked before the checkpoint is trusted (an empty marker, from before the
+manifest, is trusted as it is)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -49,9 +53,10 @@ class RunConfig:
     """Training steps (one batch each)."""
     save_every: int = attrs.field(default=8, validator=v.ge(1))
     """Steps between checkpoints (one is also written at the end and on Ctrl-C / SIGTERM)."""
-    keep_checkpoints: int = attrs.field(default=1, validator=v.ge(0))
-    """Newest checkpoints kept (an older one is deleted once a newer one is complete); 0 keeps
-    all. A SmolLM2-135M checkpoint is about 2 GB."""
+    keep_checkpoints: int = attrs.field(default=2, validator=v.ge(0))
+    """Newest complete checkpoints kept (an older one is deleted once a newer one is complete;
+    two, so that a damaged newest one leaves one to resume from); 0 keeps all. A SmolLM2-135M
+    checkpoint is about 2 GB."""
     run_dir: str | None = None
     """Run folder; default runs/<recipe>-<time>."""
     resume: bool = False
@@ -84,6 +89,16 @@ class RunDir:
                                   "or choose another --run-dir")
         self.path.mkdir(parents=True, exist_ok=True)
         self.checkpoints = self.path / "checkpoints"
+        self.resume_from = self.latest_checkpoint() if resume else None
+        """The checkpoint a resume starts from: (step, folder)."""
+        if resume and self.resume_from is None:
+            # refused now, before any model loads, rather than start over in a folder whose
+            # metrics and checkpoint folders would then be overwritten
+            folders = sorted(p.name for p in self.checkpoints.glob("step-*"))
+            raise FileNotFoundError(
+                f"--resume: no complete, undamaged checkpoint in {self.checkpoints} (folders: "
+                f"{', '.join(folders) or 'none'}); nothing was changed. To start this run over, "
+                f"delete {self.path} or choose another --run-dir")
 
     @staticmethod
     def default_path(recipe: str) -> Path:
@@ -116,9 +131,15 @@ class RunDir:
         return self.checkpoints / f"step-{step:06d}"
 
     def latest_checkpoint(self) -> tuple[int, Path] | None:
-        """The newest complete checkpoint: (step, folder)."""
+        """The newest complete checkpoint whose files match its manifest: (step, folder). A
+        damaged one (a file missing or of another size) is skipped with a warning."""
         done = sorted(p for p in self.checkpoints.glob("step-*") if (p / COMPLETE).exists())
-        return (int(done[-1].name.split("-")[1]), done[-1]) if done else None
+        for path in reversed(done):
+            damage = checkpoint_damage(path)
+            if damage is None:
+                return int(path.name.split("-")[1]), path
+            warnings.warn(f"skipping damaged checkpoint {path}: {damage}", stacklevel=2)
+        return None
 
     def save_checkpoint(self, step: int, trainer: Any, *, extra: Any = None,
                         tokenizer_from: str | Path | None = None, critic: Any = None) -> Path:
@@ -134,47 +155,103 @@ class RunDir:
             (path / "critic").mkdir(exist_ok=True)
             checkpoint.save_checkpoint(critic, path / "critic")
         checkpoint.save_hf(trainer, path / "hf", tokenizer_from=tokenizer_from)
+        dist.barrier()  # every rank's shard is written before rank 0 lists the folder
         if trainer.rank == 0:
-            (path / COMPLETE).touch()
-            if self.keep_checkpoints:
-                others = sorted(p for p in self.checkpoints.glob("step-*") if p != path)
-                complete = [p for p in others if (p / COMPLETE).exists()]
-                # unfinished folders are left-overs of a crash; they go too
-                kept = complete[len(complete) - (self.keep_checkpoints - 1):] \
-                    if self.keep_checkpoints > 1 else []
-                for old in others:
-                    if old not in kept:
-                        shutil.rmtree(old, ignore_errors=True)
+            mark_complete(path)
+            self.prune(path)
         dist.barrier()
         return path
 
+    def prune(self, newest: Path) -> None:
+        """Keep `newest` and the `keep_checkpoints` - 1 complete ones before it; older ones and
+        unfinished folders (left-overs of a crash) go. A no-op when keeping all."""
+        if not self.keep_checkpoints:
+            return
+        others = sorted(p for p in self.checkpoints.glob("step-*") if p != newest)
+        complete = [p for p in others if (p / COMPLETE).exists()]
+        kept = complete[len(complete) - (self.keep_checkpoints - 1):] \
+            if self.keep_checkpoints > 1 else []
+        for old in others:
+            if old not in kept:
+                shutil.rmtree(old, ignore_errors=True)
+
     def load_checkpoint(self, trainer: Any, *, critic: Any = None) -> tuple[int, Any]:
-        """Restore the newest complete checkpoint into `trainer` (and `critic`) on every rank;
-        returns (its step, its extra state), or (0, None) when there is none."""
-        found = self.latest_checkpoint()
-        if found is None:
-            return 0, None
+        """Restore `resume_from` into `trainer` (and `critic`) on every rank; returns (its step,
+        its extra state)."""
+        if self.resume_from is None:
+            raise RuntimeError("load_checkpoint needs a RunDir opened with resume=True")
         from areal_flow.runtime import checkpoint
 
-        step, path = found
+        step, path = self.resume_from
         extra = checkpoint.load_checkpoint(trainer, path)
         if critic is not None:
             checkpoint.load_checkpoint(critic, path / "critic")
         return step, extra
 
     def truncate_after(self, step: int) -> None:
-        """Forget logged lines of steps after `step` (they are about to be redone)."""
+        """Forget logged lines of steps after `step` (they are about to be redone). A last line
+        cut short (a crash mid-append) is dropped; a damaged line before it is an error."""
         for name in ("metrics.jsonl", "samples.jsonl"):
             file = self.path / name
-            if file.exists():
-                kept = [line for line in file.read_text().splitlines()
-                        if line and json.loads(line)["step"] <= step]
-                file.write_text("".join(f"{line}\n" for line in kept))
+            if not file.exists():
+                continue
+            lines = file.read_text().splitlines()
+            kept = []
+            for number, line in enumerate(lines, 1):
+                try:
+                    record = json.loads(line) if line else None
+                except ValueError:
+                    if number == len(lines):
+                        warnings.warn(f"{file}: dropped its unfinished last line", stacklevel=2)
+                        break
+                    raise ValueError(f"{file}, line {number} is not JSON: {line[:80]!r}") from None
+                if record is not None and record["step"] <= step:
+                    kept.append(line)
+            file.write_text("".join(f"{line}\n" for line in kept))
 
     def _append(self, name: str, records: list[dict[str, Any]]) -> None:
         with open(self.path / name, "a") as f:
             for record in records:
                 f.write(json.dumps(record, default=float) + "\n")
+
+
+def mark_complete(path: Path) -> None:
+    """Flush every file of checkpoint folder `path` to disk, then write its COMPLETE manifest
+    (atomically, flushed too): after a crash or power loss a marked checkpoint is whole."""
+    files = sorted(f for f in path.rglob("*") if f.is_file() and f.name != COMPLETE)
+    for file in files:
+        with open(file, "rb") as f:
+            os.fsync(f.fileno())
+    manifest = {str(f.relative_to(path)): f.stat().st_size for f in files}
+    tmp = path / f".{COMPLETE}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(manifest, f, indent=0)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path / COMPLETE)
+    folder = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
+
+
+def checkpoint_damage(path: Path) -> str | None:
+    """What is wrong with marked checkpoint `path` against its manifest, or None."""
+    text = (path / COMPLETE).read_text()
+    if not text.strip():
+        return None  # a marker from before manifests
+    try:
+        manifest = json.loads(text)
+    except ValueError:
+        return f"its {COMPLETE} marker is not a manifest"
+    for name, size in manifest.items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != size:
+            return f"{name} has {file.stat().st_size} bytes, {size} when it was saved"
+    return None
 
 
 def peak_rss_gb() -> float:

@@ -8,7 +8,7 @@ import pytest
 
 from areal_flow import registry
 from areal_flow.registry import UnknownNameError
-from areal_flow.run import RunConfig, RunDir
+from areal_flow.run import RunConfig, RunDir, mark_complete
 
 
 def scalars(run_dir, key: str) -> list[tuple[int, float]]:
@@ -29,6 +29,12 @@ def test_an_unknown_logger_name_fails_with_a_suggestion():
         RunConfig(logger=("tensorbord",))
 
 
+def mark_checkpoint(run: RunDir, step: int) -> None:
+    """An (empty) complete checkpoint at `step`, for RunDir(resume=True) to accept."""
+    run.checkpoint_dir(step).mkdir(parents=True)
+    mark_complete(run.checkpoint_dir(step))
+
+
 def test_tensorboard_gets_every_number_and_a_resume_replaces_the_redone_steps(tmp_path):
     run = RunDir(tmp_path)
     run.start_loggers(["tensorboard"], RunConfig(), step=0)
@@ -37,7 +43,8 @@ def test_tensorboard_gets_every_number_and_a_resume_replaces_the_redone_steps(tm
     run.close()
     assert scalars(tmp_path, "loss") == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 4.0)]
 
-    resumed = RunDir(tmp_path, resume=True)  # from a checkpoint at step 2: 3 and 4 are redone
+    mark_checkpoint(run, 2)
+    resumed = RunDir(tmp_path, resume=True)  # from the checkpoint at step 2: 3 and 4 are redone
     resumed.start_loggers(["tensorboard"], RunConfig(), step=2)
     for step in (3, 4):
         resumed.log_metrics(step, {"loss": 10.0 * step})
@@ -61,6 +68,7 @@ def test_wandb_offline_run_gets_the_metrics_and_a_resume_continues_the_same_run(
     run.close()
     assert list((tmp_path / "wandb").glob(f"offline-run-*-{first_id}/run-{first_id}.wandb"))
 
+    mark_checkpoint(run, 2)
     resumed = RunDir(tmp_path, resume=True)
     resumed.start_loggers(["wandb"], RunConfig(seed=7), step=2)
     assert resumed.loggers[0].run.id == first_id
