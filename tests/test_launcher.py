@@ -238,3 +238,21 @@ def test_the_parent_stopping_on_a_signal_stops_its_servers(tmp_path, signum, exi
         if parent.poll() is None:
             parent.kill()
     assert not alive(server)
+
+
+def test_a_parent_killed_outright_takes_its_servers_with_it(tmp_path):
+    """SIGKILL runs no handler and no atexit: the kernel's parent-death signal stops the server."""
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tmp_path), FAKE_SERVER],
+                              stdout=subprocess.PIPE, text=True)
+    server = None
+    try:
+        server = int(parent.stdout.readline())
+        assert alive(server)
+        parent.kill()
+        assert parent.wait(30) == -signal.SIGKILL
+        wait_for(lambda: not alive(server), what="the orphaned server to stop")
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        if server is not None and alive(server):
+            os.kill(server, signal.SIGKILL)

@@ -4,7 +4,10 @@ Each server gets `tp_size` GPUs of the list it is given (``CUDA_VISIBLE_DEVICES`
 file, and its own process group, so stopping it (SIGTERM to the group, SIGKILL after
 `stop_timeout`) also stops the scheduler and detokenizer processes SGLang starts. Servers are
 stopped by `stop()`, at interpreter exit, and when this process gets SIGINT or SIGTERM (the handlers
-then chain to the ones installed before). ``SGLANG_RETURN_ORIGINAL_LOGPROB`` is never set and is
+then chain to the ones installed before). A launcher killed outright (SIGKILL, the OOM killer)
+runs none of these: on Linux each server also asks the kernel for SIGTERM when its parent dies
+(``PR_SET_PDEATHSIG``; the parent is the thread that called `start`, so call it from a thread
+that lives as long as the servers should). ``SGLANG_RETURN_ORIGINAL_LOGPROB`` is never set and is
 removed from the inherited environment: behavior logprobs must be taken after temperature
 (DESIGN.md "Generation").
 
@@ -18,6 +21,7 @@ asked, with ``--enable-deterministic-inference``, without which SGLang ignores p
 from __future__ import annotations
 
 import atexit
+import ctypes
 import functools
 import logging
 import os
@@ -217,6 +221,7 @@ class SGLangLauncher:
                 process = subprocess.Popen(
                     launch.argv, env=dict(launch.env), stdin=subprocess.DEVNULL, stdout=log_file,
                     stderr=subprocess.STDOUT, start_new_session=True,
+                    preexec_fn=functools.partial(_die_with_parent, os.getpid()),
                 )
                 self._running.append(_Running(launch, process, log_file))
                 log.info("started SGLang server %d (pid %d): %s", launch.slot.index, process.pid,
@@ -325,6 +330,21 @@ def _describe(r: _Running, what: str) -> str:
     return (f"SGLang server {slot.index} ({slot.address}, GPUs {list(slot.gpus)}) {what}.\n"
             f"command: {shlex.join(r.launch.argv)}\nlog: {r.launch.log_path}\n"
             f"last {len(lines)} log lines:\n" + "\n".join(lines))
+
+
+def _die_with_parent(parent: int) -> None:
+    """In the forked server, before exec: SIGTERM when the parent dies (Linux; elsewhere only
+    the parent's handlers stop servers). A parent that died before this ran is caught after."""
+    if _prctl is None:
+        return
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+# looked up now: loading a library in the forked child could deadlock on a lock held at fork
+_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
 
 
 def _signal_group(process: subprocess.Popen, signum: int) -> None:
