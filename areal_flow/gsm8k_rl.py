@@ -8,10 +8,12 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import attrs
 import torch
+import yaml
 from attrs import validators as v
 
 from areal_flow import registry
@@ -64,6 +66,52 @@ class RLConfig(RunConfig):
                                      max_tokens_per_mb=512)
     inference: InferenceConfig = InferenceConfig()
 
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        if self.train.ppo_minibatches > self.rollout.batch_size:
+            raise ValueError(
+                f"--train.ppo-minibatches {self.train.ppo_minibatches} is more than the "
+                f"{self.rollout.batch_size} groups of a batch (--rollout.batch-size): a group is "
+                "never split, so some mini-batches would be empty")
+
+
+def load_data(cfg: RLConfig, model: str, rank: int) -> tuple[list[dict], list[dict], str]:
+    """Rank 0 checks the model's config (`check_model`) and reads the train and eval rows, before
+    any rank loads weights; a bad --model or --dataset fails on every rank with rank 0's error.
+    Other ranks get empty rows."""
+    from areal_flow.data import offline
+    from areal_flow.runtime.distributed import same_on_all_ranks
+
+    rows, error = ([], [], ""), None
+    if rank == 0:
+        try:
+            check_model(cfg, model)
+            rows = offline.train_eval_rows(cfg.dataset, cfg.eval_size)
+        except Exception as exc:  # noqa: BLE001 - raised below, on every rank
+            error = exc
+    message = same_on_all_ranks(None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    if message is not None:
+        raise RuntimeError(f"rank 0 stopped before training: {message}")
+    return rows
+
+
+def check_model(cfg: RLConfig, model: str) -> None:
+    """--model names a model whose config loads, with room for --sampling.max-new-tokens."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model)
+    except (OSError, ValueError) as error:
+        where = "no such folder" if Path(model).anchor or model.startswith(".") else \
+            "not a model folder here, nor a model on the Hugging Face Hub"
+        raise ValueError(f"--model {model}: {where} ({error})") from None
+    positions = getattr(config, "max_position_embeddings", None)
+    if positions is not None and cfg.sampling.max_new_tokens >= positions:
+        raise ValueError(f"--sampling.max-new-tokens {cfg.sampling.max_new_tokens} leaves no "
+                         f"room for a prompt in the model's {positions} positions")
+
 
 def workflow_config(cfg: RLConfig) -> Any:
     """The workflow's config from --workflow-config / --reward (names checked now)."""
@@ -80,9 +128,20 @@ def workflow_config(cfg: RLConfig) -> Any:
     elif cfg.workflow_config is None:
         config = spec.config()
     elif cfg.workflow_config.lstrip().startswith("{"):
-        config = structure(spec.config, json.loads(cfg.workflow_config))
+        try:
+            data = json.loads(cfg.workflow_config)
+        except ValueError as error:
+            raise ValueError(f"--workflow-config: not valid JSON ({error})") from None
+        config = structure(spec.config, data)
     else:
-        config = load(spec.config, cfg.workflow_config)
+        if not Path(cfg.workflow_config).is_file():
+            raise FileNotFoundError(f"--workflow-config {cfg.workflow_config}: no such file (or "
+                                    "pass the config inline as a JSON object)")
+        try:
+            config = load(spec.config, cfg.workflow_config)
+        except yaml.YAMLError as error:
+            raise ValueError(f"--workflow-config {cfg.workflow_config}: not valid YAML/JSON "
+                             f"({error})") from None
     if cfg.reward is not None:
         if not hasattr(config, "reward"):
             raise ValueError(f"workflow {cfg.workflow!r} has no 'reward' option: drop --reward")

@@ -43,6 +43,13 @@ class Config(gsm8k_rl.RLConfig):
     # that is the default, so the ratio carries that rounding and may clip). Approximate with --train.ppo-minibatches > 1.
     algorithm: GRPOConfig = GRPOConfig(loss=PolicyLossConfig(recompute_proximal=False))
 
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        if self.rollout.group_size < 2:
+            raise ValueError(f"--rollout.group-size {self.rollout.group_size}: GRPO scores a row "
+                             "against the rest of its group, so a group of one never learns; "
+                             "use 2 or more")
+
 
 def main(cfg: Config) -> None:
     workflow_config = gsm8k_rl.workflow_config(cfg)  # bad names fail before any work
@@ -53,6 +60,7 @@ def main(cfg: Config) -> None:
     dist.barrier()  # every rank has checked the folder before rank 0 writes into it
     model = same_on_all_ranks(
         cfg.model or (str(offline.packaged_smollm2()) if rank == 0 else None))
+    train_rows, eval_rows, data_note = gsm8k_rl.load_data(cfg, model, rank)  # before weights load
     algorithm = GRPO(cfg.algorithm)
     trainer = TrainEngine(model, cfg.train)
     ref = TrainEngine(model, cfg.train, trainable=False) if "ref" in algorithm.roles else None
@@ -68,7 +76,6 @@ def main(cfg: Config) -> None:
         "staleness/mean": "staleness", "seconds/step": "s/step"})
     if rank == 0:
         run.truncate_after(start)
-        train_rows, eval_rows, data_note = offline.train_eval_rows(cfg.dataset, cfg.eval_size)
         display.print(f"[bold]{cfg.NAME}[/] run folder {run.path} · model {model} · "
                       f"{world} training rank(s)\n{data_note}")
         run.write_config(cfg)

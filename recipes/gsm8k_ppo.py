@@ -57,6 +57,7 @@ def main(cfg: Config) -> None:
     dist.barrier()  # every rank has checked the folder before rank 0 writes into it
     model = same_on_all_ranks(
         cfg.model or (str(offline.packaged_smollm2()) if rank == 0 else None))
+    train_rows, eval_rows, data_note = gsm8k_rl.load_data(cfg, model, rank)  # before weights load
     algorithm = PPO(cfg.algorithm)
     trainer = TrainEngine(model, cfg.train)
     critic = TrainEngine(model, cfg.critic, value=True)
@@ -71,7 +72,6 @@ def main(cfg: Config) -> None:
         "staleness/mean": "staleness", "seconds/step": "s/step"})
     if rank == 0:
         run.truncate_after(start)
-        train_rows, eval_rows, data_note = offline.train_eval_rows(cfg.dataset, cfg.eval_size)
         display.print(f"[bold]gsm8k_ppo[/] run folder {run.path} · model {model} · "
                       f"{world} training rank(s)\n{data_note}")
         run.write_config(cfg)

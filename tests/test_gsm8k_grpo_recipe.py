@@ -119,6 +119,7 @@ def test_launched_protocol_servers(tiny_model_dir, gsm8k_file, tmp_path):
     assert sum(served) > 0
 
 
+@pytest.mark.faults
 def test_resume_after_sigterm_continues_exactly(tiny_model_dir, gsm8k_file, tmp_path):
     """η = 0 and greedy decoding: a run stopped by SIGTERM and resumed consumes the same prompts
     and computes the same losses as a run that never stopped."""
@@ -188,3 +189,31 @@ def test_bad_input_is_named(tiny_model_dir, gsm8k_file, tmp_path, extra, message
                         check=False, timeout=120)
     assert result.returncode != 0
     assert message in result.stdout + result.stderr
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--model", "{tmp}/no-such-model"], "no-such-model: no such folder"),
+    (["--dataset", "{tmp}/missing.jsonl"], "missing.jsonl: no such file"),
+    (["--dataset", "{tmp}/empty.jsonl"], "empty.jsonl: the 'train' split has no rows"),
+    (["--dataset", "{tmp}/broken.jsonl"], "broken.jsonl, line 2: not JSON"),
+    (["--workflow-config", '{"question_field": '], "--workflow-config: not valid JSON"),
+    (["--workflow-config", "{tmp}/missing.yaml"], "missing.yaml: no such file"),
+    (["--sampling.max-new-tokens", "100000"], "leaves no room for a prompt"),
+    (["--train.ppo-minibatches", "3"], "--train.ppo-minibatches 3 is more than the 2 groups"),
+    (["--rollout.group-size", "1"], "--rollout.group-size 1: GRPO"),
+])
+def test_bad_input_is_refused_before_any_weights_load(tiny_model_dir, gsm8k_file, tmp_path,
+                                                      extra, message):
+    """Named, and before any weights load (so before the run folder gets a config or metrics:
+    the same command, corrected, starts a fresh run)."""
+    (tmp_path / "empty.jsonl").write_text("\n")
+    (tmp_path / "broken.jsonl").write_text('{"question": "1 + 1?", "answer": "2"}\n{"question"\n')
+    extra = [arg.replace("{tmp}", str(tmp_path)) for arg in extra]
+    result = run_recipe(RECIPE, tiny_args(tiny_model_dir, gsm8k_file, tmp_path / "run", *extra),
+                        check=False, timeout=120)
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    assert message in output
+    assert "Loading weights" not in output  # transformers' progress line when a model loads
+    assert not list((tmp_path / "run").glob("*.*"))  # no config.yaml, metrics.jsonl, ...

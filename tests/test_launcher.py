@@ -219,6 +219,7 @@ PARENT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize(("signum", "exit_status"), [(signal.SIGTERM, -signal.SIGTERM),
                                                      (signal.SIGINT, 7)])
 def test_the_parent_stopping_on_a_signal_stops_its_servers(tmp_path, signum, exit_status):
@@ -240,6 +241,7 @@ def test_the_parent_stopping_on_a_signal_stops_its_servers(tmp_path, signum, exi
     assert not alive(server)
 
 
+@pytest.mark.faults
 def test_a_parent_killed_outright_takes_its_servers_with_it(tmp_path):
     """SIGKILL runs no handler and no atexit: the kernel's parent-death signal stops the server."""
     parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tmp_path), FAKE_SERVER],

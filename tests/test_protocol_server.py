@@ -205,6 +205,7 @@ def test_sampling_seed_makes_sampled_generations_repeatable(server):
     assert len(a["meta_info"]["output_token_logprobs"]) == 16
 
 
+@pytest.mark.faults
 def test_a_bad_request_never_fails_the_requests_running_beside_it(server, hook):
     expected = list(engine_greedy(server, server.prompt, 20).token_ids)
     fired = threading.Event()
@@ -455,6 +456,7 @@ BAD_BODIES = [
 ]
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize(("path", "body", "named"), BAD_BODIES)
 def test_malformed_bodies_are_refused_naming_the_field(server, path, body, named):
     version = server.engine.version

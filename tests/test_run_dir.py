@@ -10,6 +10,8 @@ import pytest
 
 from areal_flow.run import COMPLETE, RunConfig, RunDir, mark_complete
 
+pytestmark = pytest.mark.faults
+
 
 def fake_checkpoint(run: RunDir, step: int, *, complete: bool = True):
     """A checkpoint folder with the files a real one has (contents do not matter here)."""

@@ -303,6 +303,7 @@ def test_a_server_reporting_default_is_labelled_or_taken_out(addrs, tmp_path, ti
             pool.close()
 
 
+@pytest.mark.faults
 def test_a_server_killed_mid_request_loses_nothing(cluster, addrs, http, tiny_model_dir):
     """SIGKILL server D while it holds requests: they complete on A, nothing is lost."""
     a, d = addrs["A"], addrs["D"]
@@ -372,6 +373,7 @@ def served_with_500s(model_dir, failures: float):
         engine.close()
 
 
+@pytest.mark.faults
 def test_a_5xx_answer_is_retried_and_never_takes_the_server_out(tiny_model_dir):
     """A server that answers, even 500, is alive: the request is retried and the server stays
     in rotation (taken out, it would leave the request waiting for a server: 10 s here)."""
@@ -389,6 +391,7 @@ def test_a_5xx_answer_is_retried_and_never_takes_the_server_out(tiny_model_dir):
     assert stats["dead_servers"] == 0 and stats["retries"] == 2
 
 
+@pytest.mark.faults
 def test_after_a_5xx_the_retry_goes_to_another_server(tiny_model_dir):
     reqs = [greedy(p, 4) for p in prompts(4)]
     with served_with_500s(tiny_model_dir, failures=math.inf) as (broken, _), \

@@ -107,14 +107,27 @@ def gsm8k_offline_split(eval_size: int) -> tuple[list[dict], list[dict], str]:
 def load_rows(dataset: str, split: str) -> list[dict[str, Any]]:
     """Rows of a local json/jsonl/csv/parquet file, a saved dataset folder, or a hub dataset
     (`openai/gsm8k` uses its `main` config)."""
+    rows = _load_rows(dataset, split)
+    if not rows:
+        raise ValueError(f"--dataset {dataset}: the {split!r} split has no rows")
+    return rows
+
+
+_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+def _load_rows(dataset: str, split: str) -> list[dict[str, Any]]:
     import datasets
 
     path = Path(dataset)
+    if path.suffix in _BUILDERS and not path.exists():
+        raise FileNotFoundError(f"--dataset {dataset}: no such file")
+    if path.suffix == ".jsonl" and path.is_file():
+        return _jsonl_rows(path)
     if path.is_file():
-        builder = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
-        if path.suffix not in builder:
-            raise ValueError(f"--dataset {dataset}: a file must end in one of {sorted(builder)}")
-        return list(datasets.load_dataset(builder[path.suffix], data_files=str(path),
+        if path.suffix not in _BUILDERS:
+            raise ValueError(f"--dataset {dataset}: a file must end in one of {sorted(_BUILDERS)}")
+        return list(datasets.load_dataset(_BUILDERS[path.suffix], data_files=str(path),
                                           split="train"))
     if path.is_dir():
         loaded = datasets.load_from_disk(str(path))
@@ -123,9 +136,28 @@ def load_rows(dataset: str, split: str) -> list[dict[str, Any]]:
         return list(datasets.load_dataset(dataset, "main" if dataset == "openai/gsm8k" else None,
                                           split=split))
     except (ConnectionError, OSError) as error:
-        raise ConnectionError(f"--dataset {dataset}: cannot load split {split!r} from the "
-                              f"Hugging Face Hub ({error}); offline, leave --dataset unset to "
-                              "use the packaged GSM8K file, or pass a local file") from error
+        raise ConnectionError(f"--dataset {dataset}: not a local file or folder, and cannot load "
+                              f"split {split!r} from the Hugging Face Hub ({error}); offline, "
+                              "leave --dataset unset to use the packaged GSM8K file, or pass a "
+                              "local file") from error
+
+
+def _jsonl_rows(path: Path) -> list[dict[str, Any]]:
+    """One JSON object a line (blank lines skipped); a bad line is named by its number."""
+    rows = []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as error:
+                raise ValueError(f"--dataset {path}, line {number}: not JSON ({error})") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"--dataset {path}, line {number}: a row must be a JSON object, "
+                                 f"not {type(row).__name__}")
+            rows.append(row)
+    return rows
 
 
 def train_eval_rows(dataset: str | None, eval_size: int) -> tuple[list[dict], list[dict], str]:
