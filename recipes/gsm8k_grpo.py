@@ -72,7 +72,7 @@ def main(cfg: Config) -> None:
         "reward/flat_group_fraction": "flat groups", "response_length/mean": "length",
         "eval/accuracy": "eval acc", "eval/accuracy_ci_low": "95% CI low",
         "eval/accuracy_ci_high": "high", "eval/accuracy_lenient": "lenient",
-        "tokens_per_second": "tok/s",
+        "reward_runner/failure_rate": "reward fails", "tokens_per_second": "tok/s",
         "staleness/mean": "staleness", "seconds/step": "s/step"})
     if rank == 0:
         run.truncate_after(start)
@@ -82,7 +82,7 @@ def main(cfg: Config) -> None:
         run.start_loggers(cfg.logger, cfg, start)
         pool = pool_class.from_config(cfg.inference, model=model, seed=cfg.seed,
                                       run_dir=run.path)
-        rewards = RewardRunner()
+        rewards = RewardRunner(max_failure_rate=cfg.reward_failure_limit)
         scheduler = RolloutScheduler(
             pool=pool, workflow=cfg.workflow, dataset=train_rows,
             tokenizer=AutoTokenizer.from_pretrained(model), score=rewards.score,

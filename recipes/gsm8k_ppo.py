@@ -68,7 +68,7 @@ def main(cfg: Config) -> None:
     display = LiveDisplay(cfg.steps, start, enabled=rank == 0, columns={
         "reward/mean": "reward", "format": "format", "work_shown": "work", "accuracy": "acc",
         "critic/value_loss": "value loss", "eval/accuracy": "eval acc",
-        "tokens_per_second": "tok/s",
+        "reward_runner/failure_rate": "reward fails", "tokens_per_second": "tok/s",
         "staleness/mean": "staleness", "seconds/step": "s/step"})
     if rank == 0:
         run.truncate_after(start)
@@ -78,7 +78,7 @@ def main(cfg: Config) -> None:
         run.start_loggers(cfg.logger, cfg, start)
         pool = pool_class.from_config(cfg.inference, model=model, seed=cfg.seed,
                                       run_dir=run.path)
-        rewards = RewardRunner()
+        rewards = RewardRunner(max_failure_rate=cfg.reward_failure_limit)
         scheduler = RolloutScheduler(
             pool=pool, workflow=cfg.workflow, dataset=train_rows,
             tokenizer=AutoTokenizer.from_pretrained(model), score=rewards.score,

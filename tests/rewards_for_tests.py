@@ -55,3 +55,17 @@ async def async_hangs(completion: str) -> float:
 @reward("tests.async_ok", timeout=1.0)
 async def async_ok(completion: str) -> float:
     return 1.0 if completion else 0.0
+
+
+@reward("tests.fails_on_x", timeout=5.0)
+def fails_on_x(completion: str, **fields) -> float:
+    """Fails on completions holding an 'x' and scores 1 otherwise: a reward failing as often as
+    a test wants."""
+    if "x" in completion:
+        raise ValueError("an x")
+    return 1.0
+
+
+@reward("tests.always_fails", timeout=5.0)
+def always_fails(completion: str, **fields) -> float:
+    raise RuntimeError("this reward is broken")

@@ -217,3 +217,15 @@ def test_bad_input_is_refused_before_any_weights_load(tiny_model_dir, gsm8k_file
     assert message in output
     assert "Loading weights" not in output  # transformers' progress line when a model loads
     assert not list((tmp_path / "run").glob("*.*"))  # no config.yaml, metrics.jsonl, ...
+
+
+@pytest.mark.faults
+def test_a_run_whose_every_reward_fails_does_not_succeed(tiny_model_dir, gsm8k_file, tmp_path):
+    """Defaults are not rewards: the run stops with the reward's error, not exit 0."""
+    result = run_recipe(RECIPE, tiny_args(
+        tiny_model_dir, gsm8k_file, tmp_path / "run", "--steps", "6",
+        "--reward", "tests.rewards_for_tests:always_fails"), check=False, timeout=240)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-2000:]
+    assert "failed on 32 of its last 32 calls" in output
+    assert "this reward is broken" in output

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from areal_flow.reward.runner import RewardRunner
+from areal_flow.reward.runner import FAILURE_WINDOW, RewardFailureError, RewardRunner
 from tests import rewards_for_tests
 
 
@@ -77,3 +77,33 @@ def test_a_reward_that_cannot_take_the_arguments_fails_instead_of_scoring_its_de
     with pytest.raises(TypeError, match=r"reward 'tests.length' cannot take .*\['answer'\]"):
         asyncio.run(runner.score("tests.length", "abc", answer="12"))
     assert runner.stats()["calls"] == 0  # nothing was sent to a worker
+
+
+@pytest.mark.faults
+def test_a_reward_failing_on_most_calls_stops_instead_of_scoring_defaults():
+    """Every call failing: defaults until half a window of calls, then an error that names the
+    reward, the rate and the last failure; the failure rate is in stats()."""
+    judged = FAILURE_WINDOW // 2
+    with RewardRunner(max_workers=1) as r:
+        async def calls(n):
+            return [await r.score("tests.fails_on_x", "x") for _ in range(n)]
+
+        assert asyncio.run(calls(judged - 1)) == [0.0] * (judged - 1)
+        with pytest.raises(RewardFailureError,
+                           match=rf"'tests.fails_on_x' failed on {judged} of its last {judged} "
+                                 r"calls.*50%.*error: ValueError\('an x'\)"):
+            asyncio.run(calls(1))
+        assert r.stats()["failure_rate"] == 1.0
+
+
+@pytest.mark.faults
+def test_failures_below_the_limit_score_defaults_and_never_stop():
+    texts = ["x" if i % 3 == 0 else "ok" for i in range(2 * FAILURE_WINDOW)]  # a third fail
+    with RewardRunner(max_workers=1, max_failure_rate=0.4) as r:
+        async def calls():
+            return [await r.score("tests.fails_on_x", t) for t in texts]
+
+        assert asyncio.run(calls()) == [0.0 if t == "x" else 1.0 for t in texts]
+        assert r.stats()["failure_rate"] == pytest.approx(texts.count("x") / len(texts))
+    with pytest.raises(ValueError, match="max_failure_rate"):
+        RewardRunner(max_failure_rate=1.5)

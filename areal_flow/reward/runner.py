@@ -5,6 +5,8 @@ process running torch and threads). A call past its reward's `timeout` has its w
 replaced; a worker that dies (segfault, ``os._exit``, SIGKILL) is replaced too; an exception or
 an out-of-range or non-finite score is an error. Each of these scores the reward's `default` and
 is counted in `stats()`. Async rewards are awaited in the caller's loop under the same timeout.
+A reward that fails on more than `max_failure_rate` of its recent calls raises
+`RewardFailureError` instead: a run whose rewards are mostly defaults is not training on rewards.
 
 Workers resolve rewards by registry name ("package.module:function"), so they import only the
 reward's own module, never torch.
@@ -20,7 +22,7 @@ import multiprocessing
 import numbers
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
 
@@ -58,16 +60,31 @@ def _call_in_worker(path: str, args: tuple, kwargs: dict) -> Any:
     return rewards.get(path).fn(*args, **kwargs)
 
 
+class RewardFailureError(RuntimeError):
+    """A reward failed on too many of its recent calls to be trusted."""
+
+
+FAILURE_WINDOW = 64
+"""A reward's failure rate is taken over its last this-many calls, once it has half as many."""
+
+
 class RewardRunner:
     """Scores completions with registered rewards; see the module docstring for the guarantees.
 
     Args:
         max_workers: worker processes for sync rewards.
+        max_failure_rate: a reward failing (timeout, crash, error, out of range) on more than
+            this fraction of its last `FAILURE_WINDOW` calls raises `RewardFailureError` from
+            then on; 1 never does.
     """
 
-    def __init__(self, max_workers: int = 2):
+    def __init__(self, max_workers: int = 2, max_failure_rate: float = 0.5):
         if max_workers < 1:
             raise ValueError(f"'max_workers' must be >= 1: {max_workers}")
+        if not 0.0 <= max_failure_rate <= 1.0:
+            raise ValueError(f"'max_failure_rate' must be in [0, 1]: {max_failure_rate}")
+        self.max_failure_rate = max_failure_rate
+        self._recent: dict[str, deque[bool]] = {}
         context = multiprocessing.get_context("forkserver")
         # Workers import the package (light: no torch), not the caller's __main__ script.
         context.set_forkserver_preload(["areal_flow"])
@@ -105,13 +122,20 @@ class RewardRunner:
         with self._lock:  # stats() is read from the trainer thread
             self._seconds += time.perf_counter() - start
             self._counts["calls"] += 1
-            if outcome != "ok":
-                self._counts[outcome] += 1
+            self._counts[outcome] += 1
+            recent = self._recent.setdefault(spec.name, deque(maxlen=FAILURE_WINDOW))
+            recent.append(outcome != "ok")
+            failed = sum(recent)
         if outcome == "ok":
             return float(value)
-        log.warning("reward %r: %s (%s); scored its default %s", spec.name, outcome,
-                    value if outcome in ("error", "invalid") else f"{spec.timeout} s limit",
-                    spec.default)
+        what = f"{outcome}: {value!r}" if outcome in ("error", "invalid") else \
+            f"{outcome} (its {spec.timeout} s limit)" if outcome == "timeout" else outcome
+        if len(recent) >= FAILURE_WINDOW // 2 and failed > self.max_failure_rate * len(recent):
+            raise RewardFailureError(
+                f"reward {spec.name!r} failed on {failed} of its last {len(recent)} calls, more "
+                f"than the limit of {self.max_failure_rate:.0%} (--reward-failure-limit); last "
+                f"failure: {what}. Fix the reward, or raise the limit (1 never stops)")
+        log.warning("reward %r: %s; scored its default %s", spec.name, what, spec.default)
         return spec.default
 
     def stats(self) -> dict[str, float]:
@@ -126,6 +150,7 @@ class RewardRunner:
             "crashes": counts["crash"],
             "errors": counts["error"],
             "invalid": counts["invalid"],
+            "failure_rate": (calls - counts["ok"]) / calls if calls else 0.0,
             "mean_seconds": seconds / calls if calls else 0.0,
         }
 
