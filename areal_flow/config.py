@@ -41,6 +41,9 @@ class RolloutConfig:
     """Longer prompts are skipped and counted."""
     max_retries: int = attrs.field(default=2, validator=v.ge(0))
     """Times a sample whose workflow raised is tried again before it is given up."""
+    batch_timeout: float = attrs.field(default=900.0, validator=v.gt(0))
+    """Seconds the trainer waits for a batch before the run writes a checkpoint and stops with
+    an error (no server can serve, every workflow hangs); raise it for very long generations."""
     consume_order: Literal["fifo", "oldest_version"] = attrs.field(
         default="fifo", validator=v.in_(("fifo", "oldest_version")))
     """Which finished groups a batch takes. fifo: in order of finishing — short generations

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,9 +24,9 @@ from areal_flow.algorithms.functional import flat_groups
 from areal_flow.data import reasoning_gym
 from areal_flow.reward import gsm8k
 from areal_flow.reward import reasoning_gym as reasoning_gym_reward
-from areal_flow.rollout.scheduler import RolloutScheduler
-from areal_flow.run import RunConfig, peak_rss_gb
-from areal_flow.runtime.engine import TrainConfig, TrainEngine
+from areal_flow.rollout.scheduler import RolloutError, RolloutScheduler
+from areal_flow.run import RunConfig, StopRequest, peak_rss_gb
+from areal_flow.runtime.engine import TrainConfig
 from areal_flow.types import SamplingParams
 from areal_flow.workflow.rlvr import RLVRConfig
 
@@ -153,25 +154,40 @@ def workflow_config(cfg: RLConfig) -> Any:
     return config
 
 
-def next_batch(scheduler: RolloutScheduler | None):
-    """Rank 0: the next batch, or the error that stopped the rollout (handed to `train`, which
-    raises it on every rank instead of leaving the others waiting). Other ranks: None."""
+STOPPED = "stopped"
+"""What `next_batch` returns when a stop was requested while it waited."""
+
+
+def next_batch(scheduler: RolloutScheduler | None, stop: StopRequest, timeout: float):
+    """Rank 0: the next batch; the error that stopped the rollout (a RolloutError when no batch
+    came in `timeout` seconds); or STOPPED when Ctrl-C/SIGTERM came while it waited. Other
+    ranks: None. `halt` tells every rank which it was."""
     if scheduler is None:
         return None
-    try:
-        return scheduler.prepare_batch()
-    except Exception as error:  # noqa: BLE001 - re-raised by train() on all ranks
-        return error
+    deadline = time.monotonic() + timeout
+    while not stop.requested:  # wait in short slices, so a stop request is seen within one
+        try:
+            return scheduler.prepare_batch(timeout=min(1.0, max(deadline - time.monotonic(), 0)))
+        except TimeoutError:
+            if time.monotonic() >= deadline:
+                return RolloutError(
+                    f"no batch in {timeout:g} s (--rollout.batch-timeout): no server could serve, "
+                    f"or every workflow hung; the rollout's counters: {scheduler.stats()}")
+        except Exception as error:  # noqa: BLE001 - raised by the recipe, after a checkpoint
+            return error
+    return STOPPED
 
 
-def train(trainer: TrainEngine, batch, algorithm, **roles) -> dict[str, float]:
-    """`trainer.train`, showing rank 0 the rollout's own error when the batch is one."""
-    try:
-        return trainer.train(batch, algorithm, **roles)
-    except RuntimeError:
-        if isinstance(batch, BaseException):
-            raise batch from None
-        raise
+def halt(batch) -> str | None:
+    """The same on every rank: None to train on `batch`, STOPPED, or rank 0's rollout error."""
+    from areal_flow.runtime.distributed import same_on_all_ranks
+
+    reason = None
+    if batch is STOPPED:
+        reason = STOPPED
+    elif isinstance(batch, BaseException):
+        reason = f"{type(batch).__name__}: {batch}"
+    return same_on_all_ranks(reason)
 
 
 def evaluate(cfg: RLConfig, scheduler: RolloutScheduler, rows: list[dict]) -> dict[str, float]:

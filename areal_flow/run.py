@@ -127,6 +127,12 @@ class RunDir:
     def log_samples(self, step: int, samples: Iterable[dict[str, Any]]) -> None:
         self._append("samples.jsonl", [{"step": step, **s} for s in samples])
 
+    def has_checkpoint(self, step: int) -> bool:
+        """A complete checkpoint of `step` is there (rank 0's view, given to every rank)."""
+        from areal_flow.runtime.distributed import same_on_all_ranks
+
+        return same_on_all_ranks((self.checkpoint_dir(step) / COMPLETE).exists())
+
     def checkpoint_dir(self, step: int) -> Path:
         return self.checkpoints / f"step-{step:06d}"
 
@@ -261,8 +267,9 @@ def peak_rss_gb() -> float:
 
 
 class StopRequest:
-    """The first Ctrl-C or SIGTERM asks the run to stop after the current step (it then writes a
-    checkpoint and stops launched servers); a second Ctrl-C interrupts at once."""
+    """The first Ctrl-C or SIGTERM asks the run to stop after the current step, or at once when
+    it is waiting for a batch (it then writes a checkpoint and stops launched servers); a second
+    one of either interrupts at once (KeyboardInterrupt)."""
 
     def __init__(self) -> None:
         self.requested = False
@@ -279,11 +286,11 @@ class StopRequest:
             signal.signal(sig, handler)
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if self.requested and signum == signal.SIGINT:
+        if self.requested:  # the second signal, of either kind (SLURM and Kubernetes resend)
             raise KeyboardInterrupt
         self.requested = True
-        print(f"\n{signal.Signals(signum).name}: stopping after this step and writing a "
-              "checkpoint (Ctrl-C again to stop at once)", flush=True)
+        print(f"\n{signal.Signals(signum).name}: stopping after this step (or now, when waiting "
+              "for a batch) and writing a checkpoint; again to stop at once", flush=True)
 
 
 class LiveDisplay:

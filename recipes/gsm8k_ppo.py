@@ -100,10 +100,22 @@ def main(cfg: Config) -> None:
                     run.log_metrics(0, gsm8k_rl.evaluate(cfg, scheduler, eval_rows))
             for step in range(start, cfg.steps):
                 began = time.perf_counter()
-                batch = gsm8k_rl.next_batch(scheduler)  # rank 0 rolls out; the others get None
+                # rank 0 rolls out (the others get None); a stop or a rollout error while it
+                # waits ends the run here, on every rank, after a checkpoint of where it stands
+                batch = gsm8k_rl.next_batch(scheduler, stop, cfg.rollout.batch_timeout)
+                if (halt := gsm8k_rl.halt(batch)) is not None:
+                    if not run.has_checkpoint(step):
+                        run.save_checkpoint(step, trainer, critic=critic, tokenizer_from=model,
+                                            extra={"scheduler": scheduler.state_dict()
+                                                   if scheduler else None})
+                    if halt != gsm8k_rl.STOPPED:
+                        raise batch if rank == 0 else RuntimeError(f"rank 0's rollout: {halt}")
+                    display.print(f"stopped before step {step + 1}; continue with --resume "
+                                  f"--run-dir {run.path}")
+                    break
                 rolled = time.perf_counter()
                 # critic values (and ref logprobs) → GAE advantages → actor and critic updates
-                stats = gsm8k_rl.train(trainer, batch, algorithm, critic=critic, ref=ref)
+                stats = trainer.train(batch, algorithm, critic=critic, ref=ref)
                 trained = time.perf_counter()
                 sync = trainer.sync_weights(pool, step + 1, folder=weights)
                 if scheduler is not None:

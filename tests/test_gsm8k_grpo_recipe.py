@@ -229,3 +229,43 @@ def test_a_run_whose_every_reward_fails_does_not_succeed(tiny_model_dir, gsm8k_f
     assert result.returncode != 0, output[-2000:]
     assert "failed on 32 of its last 32 calls" in output
     assert "this reward is broken" in output
+
+
+HANGS = ["--workflow", "tests.workflows_for_tests:hangs_after_8_episodes", "--eval-size", "0",
+         "--steps", "10", "--save-every", "100"]
+
+
+@pytest.mark.faults
+def test_sigterm_while_waiting_for_a_batch_checkpoints_and_stops(tiny_model_dir, gsm8k_file,
+                                                                  tmp_path):
+    """Step 3's batch never comes: SIGTERM ends the wait itself (not a step that never ends),
+    writes a checkpoint of step 2 (none was due) and exits cleanly, resumable."""
+    run_dir = tmp_path / "run"
+    process = subprocess.Popen(
+        [sys.executable, str(ROOT / "recipes" / RECIPE),
+         *tiny_args(tiny_model_dir, gsm8k_file, run_dir, *HANGS)], cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 240
+    while not (run_dir / "metrics.jsonl").exists() or max(m["step"] for m in metrics(run_dir)) < 2:
+        assert process.poll() is None and time.monotonic() < deadline, process.stdout.read()
+        time.sleep(0.1)  # polling for a file another process writes, not ordering our own work
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=60)
+    assert process.returncode == 0, output
+    assert "stopped before step 3" in output
+    assert (run_dir / "checkpoints" / "step-000002" / "COMPLETE").exists()
+
+
+@pytest.mark.faults
+def test_no_batch_within_the_timeout_fails_after_a_checkpoint(tiny_model_dir, gsm8k_file,
+                                                              tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_recipe(RECIPE, tiny_args(tiny_model_dir, gsm8k_file, run_dir, *HANGS,
+                                          "--rollout.batch-timeout", "3"),
+                        check=False, timeout=240)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-2000:]
+    assert "no batch in 3 s (--rollout.batch-timeout)" in output
+    assert max(m["step"] for m in metrics(run_dir)) == 2
+    assert (run_dir / "checkpoints" / "step-000002" / "COMPLETE").exists()

@@ -5,10 +5,12 @@ starting over, and a metrics file cut off mid-line does not stop a resume."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 
 import pytest
 
-from areal_flow.run import COMPLETE, RunConfig, RunDir, mark_complete
+from areal_flow.run import COMPLETE, RunConfig, RunDir, StopRequest, mark_complete
 
 pytestmark = pytest.mark.faults
 
@@ -87,3 +89,13 @@ def test_pruning_keeps_two_complete_checkpoints_by_default(tmp_path):
     newest = fake_checkpoint(run, 8)
     run.prune(newest)
     assert sorted(p.name for p in run.checkpoints.iterdir()) == ["step-000006", "step-000008"]
+
+
+def test_a_second_sigterm_stops_at_once():
+    """SLURM and Kubernetes send SIGTERM again before SIGKILL: the second one must not be
+    ignored while a step (or a wait) finishes."""
+    with StopRequest() as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.requested
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGTERM)

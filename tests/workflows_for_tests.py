@@ -1,0 +1,20 @@
+"""Workflows that misbehave on purpose, named by path (`tests.workflows_for_tests:...`) in
+recipe tests."""
+
+import asyncio
+
+from areal_flow import workflow
+from areal_flow.workflow.rlvr import RLVRConfig, rlvr
+
+_calls = 0
+
+
+@workflow("tests.hangs_after_8_episodes", config=RLVRConfig)
+async def hangs_after_8_episodes(ctx, sample):
+    """rlvr for the first 8 episodes (two steps of 2 prompts x 2), then never returns: a
+    rollout that can no longer produce a batch (every server gone, every workflow stuck)."""
+    global _calls
+    _calls += 1
+    if _calls > 8:
+        await asyncio.Event().wait()
+    return await rlvr(ctx, sample)
