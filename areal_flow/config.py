@@ -160,6 +160,16 @@ class InferenceConfig:
         default="sglang", validator=v.in_(("sglang", "areal-flow")))
     """What launched servers run: SGLang (GPUs), or `areal-flow serve` (our SGLang-protocol
     server over the local engine, for CPU machines and tests)."""
+    request_timeout: float = attrs.field(default=3600.0, validator=v.gt(0))
+    """sglang: seconds one /generate call may take before its server is taken out of rotation
+    (the request then continues on another)."""
+    control_timeout: float = attrs.field(default=600.0, validator=v.gt(0))
+    """sglang: seconds a weight load or a weight-update group call may take."""
+    pause_timeout: float = attrs.field(default=30.0, validator=v.gt(0))
+    """sglang: seconds a pause/resume call may take; a frozen server is taken out of rotation
+    after this instead of holding up every weight update."""
+    no_server_timeout: float = attrs.field(default=600.0, validator=v.gt(0))
+    """sglang: seconds a request waits for a server in rotation before it fails."""
 
     @device.validator
     def _check_device(self, attribute: attrs.Attribute, value: str) -> None:

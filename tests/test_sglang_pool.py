@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import datetime
 import math
 import os
 import signal
 import socket
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -237,7 +239,8 @@ def test_an_abort_reaches_only_its_own_request(addrs, http, tiny_model_dir):
 
 def test_no_health_checks_while_the_pool_is_paused(addrs):
     """SGLang holds /health while generation is paused (503 after ~20 s): the pool's health
-    budget is above that, and it does not health-check while it has paused the servers."""
+    budget is above that, and it does not health-check (resume, then /health) while it has
+    paused the servers."""
     a, down = addrs["A"], f"127.0.0.1:{free_port()}"  # nothing listens there
     pool = SGLangPool([a, down], refresh_interval=3600)
     paths = []
@@ -251,7 +254,7 @@ def test_no_health_checks_while_the_pool_is_paused(addrs):
     try:
         assert pool._health_timeout.read == 30
         pool.refresh()
-        assert (down, "/health") in paths
+        assert (down, "/continue_generation") in paths  # then /health, had it answered
         pool.pause()
         paths.clear()
         pool.refresh()
@@ -259,7 +262,7 @@ def test_no_health_checks_while_the_pool_is_paused(addrs):
         assert {s["address"]: s["in_rotation"] for s in pool.servers()} == {a: True, down: False}
         pool.resume()
         pool.refresh()
-        assert (down, "/health") in paths
+        assert (down, "/continue_generation") in paths
     finally:
         pool.resume()  # A must not stay paused for the next tests
         pool.close()
@@ -301,6 +304,38 @@ def test_a_server_reporting_default_is_labelled_or_taken_out(addrs, tmp_path, ti
             assert routed(pool)[x] > before and all(set(o.versions) == {4} for o in outs)
         finally:
             pool.close()
+
+
+@pytest.mark.faults
+def test_a_frozen_server_is_taken_out_of_a_weight_update_in_bounded_time(cluster, addrs, w1_dir,
+                                                                        tiny_model_dir):
+    """SIGSTOP: the server accepts connections and never answers. The update goes on without
+    it after --inference.pause-timeout (not the 600 s control timeout); once it answers again
+    it gets the weights it missed before it serves."""
+    a, c = addrs["A"], addrs["C"]
+    frozen = cluster.processes[2]
+    pool = SGLangPool([a, c], pause_timeout=2, refresh_interval=3600)
+    try:
+        pool.update_weights(WeightUpdate(version=1, path=str(tiny_model_dir)))
+        os.killpg(frozen.pid, signal.SIGSTOP)
+        executor = ThreadPoolExecutor(1)  # not waited for: a blocked update must fail the test
+        try:
+            began = time.monotonic()
+            executor.submit(pool.update_weights,
+                            WeightUpdate(version=2, path=str(w1_dir))).result(timeout=60)
+            took = time.monotonic() - began
+            assert {s["address"]: s["in_rotation"] for s in pool.servers()} == {a: True, c: False}
+            out = generate_all(pool, [greedy(prompts(1)[0], 4)])[0]
+            assert set(out.versions) == {2}
+        finally:
+            os.killpg(frozen.pid, signal.SIGCONT)
+            executor.shutdown(wait=False)
+        pool.refresh()
+        assert {s["address"]: (s["in_rotation"], s["weight_version"])
+                for s in pool.servers()}[c] == (True, "2")
+    finally:
+        pool.close()
+    assert took < 30
 
 
 @pytest.mark.faults

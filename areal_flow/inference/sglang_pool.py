@@ -185,6 +185,9 @@ class SGLangPool:
             otherwise it joins the servers' texts of each resubmission.
         request_timeout: seconds one ``/generate`` call may take (None: no limit).
         control_timeout: seconds a control call may take (weight loads, joining a group).
+        pause_timeout: seconds a pause or resume call may take (they take well under a second);
+            a server slower than that (frozen, overloaded) is taken out of rotation instead of
+            holding up the weight update for `control_timeout`.
         connect_timeout: seconds to open a connection.
         health_timeout: seconds a health check may take (SGLang's takes ~1 s, and up to ~20 s
             before answering 503 while its generation is paused).
@@ -205,6 +208,7 @@ class SGLangPool:
         tokenizer: str | None = None,
         request_timeout: float | None = 3600.0,
         control_timeout: float = 600.0,
+        pause_timeout: float = 30.0,
         connect_timeout: float = 5.0,
         health_timeout: float = 30.0,
         no_server_timeout: float = 600.0,
@@ -229,6 +233,7 @@ class SGLangPool:
             self._tokenizer = AutoTokenizer.from_pretrained(tokenizer)
         self._generate_timeout = httpx.Timeout(request_timeout, connect=connect_timeout)
         self._control_timeout = httpx.Timeout(control_timeout, connect=connect_timeout)
+        self._pause_timeout = httpx.Timeout(pause_timeout, connect=connect_timeout)
         self._health_timeout = httpx.Timeout(health_timeout, connect=connect_timeout)
         self._no_server_timeout = no_server_timeout
         self._retries = retries
@@ -286,7 +291,10 @@ class SGLangPool:
             addresses = launcher.start()
         try:
             pool = cls(addresses, addresses_file=None if addresses else config.addresses_file,
-                       version=version, tokenizer=model)
+                       version=version, tokenizer=model, request_timeout=config.request_timeout,
+                       control_timeout=config.control_timeout,
+                       pause_timeout=config.pause_timeout,
+                       no_server_timeout=config.no_server_timeout)
         except BaseException:
             if launcher is not None:
                 launcher.stop()
@@ -655,12 +663,13 @@ class SGLangPool:
             return
         self._paused = True
         self._epoch += 1
-        await self._on_healthy("/pause_generation", {"mode": "abort"})
+        await self._on_healthy("/pause_generation", {"mode": "abort"},
+                               timeout=self._pause_timeout)
 
     async def _resume_locked(self) -> None:
         if not self._paused:
             return
-        await self._on_healthy("/continue_generation", {})
+        await self._on_healthy("/continue_generation", {}, timeout=self._pause_timeout)
         self._paused = False
         async with self._changed:
             self._changed.notify_all()
@@ -813,13 +822,14 @@ class SGLangPool:
                                     f"{_error_message(response)}")
         return response.json() if response.content else {}
 
-    async def _on_healthy(self, path: str, body: dict, *, strict: bool = False) -> list[_Server]:
-        """The same control call on every healthy server at once; a server that does not answer is
-        taken out (it catches up when it comes back). With `strict`, a refusal is an error.
-        Returns the servers that did it."""
+    async def _on_healthy(self, path: str, body: dict, *, strict: bool = False,
+                          timeout: httpx.Timeout | None = None) -> list[_Server]:
+        """The same control call on every healthy server at once; a server that does not answer
+        (within `timeout`, default the control timeout) is taken out (it catches up when it comes
+        back). With `strict`, a refusal is an error. Returns the servers that did it."""
         servers = [s for s in self._servers.values() if s.healthy]
-        results = await asyncio.gather(*(self._post(s, path, body) for s in servers),
-                                       return_exceptions=True)
+        results = await asyncio.gather(*(self._post(s, path, body, timeout=timeout)
+                                         for s in servers), return_exceptions=True)
         done, refused = [], []
         for server, result in zip(servers, results):
             if isinstance(result, _ServerDown):
@@ -896,7 +906,12 @@ class SGLangPool:
             server.listed = address in listed
 
     async def _answers(self, server: _Server) -> bool:
+        """Health-checks a server out of rotation (called while the pool is not paused)."""
         try:
+            # one that missed our resume (frozen or cut off during a pause) would still be paused,
+            # and a paused server holds /health: resume it first (harmless when running)
+            await self._post(server, "/continue_generation", {}, retry=False,
+                             timeout=self._pause_timeout)
             health = await self._post(server, "/health", method="GET", retry=False,
                                       timeout=self._health_timeout)
         except _ServerDown:
