@@ -119,6 +119,21 @@ def test_launched_protocol_servers(tiny_model_dir, gsm8k_file, tmp_path):
     assert sum(served) > 0
 
 
+def sigterm_when(args: list[str], ready, exit_within: float) -> tuple[int, str]:
+    """Run the recipe, send SIGTERM once `ready()` (polled: another process writes what it
+    reads), and return its exit status and output; it must exit within `exit_within` s."""
+    process = subprocess.Popen([sys.executable, str(ROOT / "recipes" / RECIPE), *args], cwd=ROOT,
+                               env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 240
+    while not ready():
+        assert process.poll() is None and time.monotonic() < deadline, process.stdout.read()
+        time.sleep(0.1)  # polling for a file another process writes, not ordering our own work
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=exit_within)
+    return process.returncode, output
+
+
 @pytest.mark.faults
 def test_resume_after_sigterm_continues_exactly(tiny_model_dir, gsm8k_file, tmp_path):
     """η = 0 and greedy decoding: a run stopped by SIGTERM and resumed consumes the same prompts
@@ -126,16 +141,9 @@ def test_resume_after_sigterm_continues_exactly(tiny_model_dir, gsm8k_file, tmp_
     exact = ["--rollout.max-staleness", "0", "--sampling.temperature", "0", "--eval-size", "0"]
     stopped = tmp_path / "stopped"
     args = tiny_args(tiny_model_dir, gsm8k_file, stopped, *exact, "--steps", "1000")
-    process = subprocess.Popen([sys.executable, str(ROOT / "recipes" / RECIPE), *args], cwd=ROOT,
-                               env={**os.environ, "OMP_NUM_THREADS": "1"},
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 240
-    while not list(stopped.glob("checkpoints/step-*/COMPLETE")):
-        assert process.poll() is None and time.monotonic() < deadline, process.stdout.read()
-        time.sleep(0.1)  # polling for a file another process writes, not ordering our own work
-    process.send_signal(signal.SIGTERM)
-    output, _ = process.communicate(timeout=120)
-    assert process.returncode == 0, output
+    returncode, output = sigterm_when(
+        args, lambda: list(stopped.glob("checkpoints/step-*/COMPLETE")), exit_within=120)
+    assert returncode == 0, output
     assert "stopping after this step" in output
     stop_step = max(m["step"] for m in metrics(stopped))
     assert 1 <= stop_step < 1000
@@ -241,18 +249,11 @@ def test_sigterm_while_waiting_for_a_batch_checkpoints_and_stops(tiny_model_dir,
     """Step 3's batch never comes: SIGTERM ends the wait itself (not a step that never ends),
     writes a checkpoint of step 2 (none was due) and exits cleanly, resumable."""
     run_dir = tmp_path / "run"
-    process = subprocess.Popen(
-        [sys.executable, str(ROOT / "recipes" / RECIPE),
-         *tiny_args(tiny_model_dir, gsm8k_file, run_dir, *HANGS)], cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 240
-    while not (run_dir / "metrics.jsonl").exists() or max(m["step"] for m in metrics(run_dir)) < 2:
-        assert process.poll() is None and time.monotonic() < deadline, process.stdout.read()
-        time.sleep(0.1)  # polling for a file another process writes, not ordering our own work
-    process.send_signal(signal.SIGTERM)
-    output, _ = process.communicate(timeout=60)
-    assert process.returncode == 0, output
+    returncode, output = sigterm_when(
+        tiny_args(tiny_model_dir, gsm8k_file, run_dir, *HANGS),
+        lambda: (run_dir / "metrics.jsonl").exists() and
+        max(m["step"] for m in metrics(run_dir)) >= 2, exit_within=60)
+    assert returncode == 0, output
     assert "stopped before step 3" in output
     assert (run_dir / "checkpoints" / "step-000002" / "COMPLETE").exists()
 
