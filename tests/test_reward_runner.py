@@ -4,16 +4,11 @@ are counted, and the pool recovers for the next call."""
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 
 from areal_flow.reward.runner import FAILURE_WINDOW, RewardFailureError, RewardRunner
 from tests import rewards_for_tests
-from tests.helpers import ROOT
 
 
 @pytest.fixture(scope="module")
@@ -112,26 +107,3 @@ def test_failures_below_the_limit_score_defaults_and_never_stop():
         assert r.stats()["failure_rate"] == pytest.approx(texts.count("x") / len(texts))
     with pytest.raises(ValueError, match="max_failure_rate"):
         RewardRunner(max_failure_rate=1.5)
-
-
-CALLER_WITH_TORCH = textwrap.dedent("""
-    import asyncio
-    import torch  # a recipe's imports: the workers must not repeat them
-    from areal_flow.reward.runner import RewardRunner
-
-    with RewardRunner(max_workers=1) as runner:  # no __main__ guard, as in a quick script
-        print("torch in worker:", asyncio.run(runner.score("tests.rewards_for_tests:imports_torch",
-                                                           "x")))
-""")
-
-
-@pytest.mark.faults
-def test_workers_do_not_import_the_calling_script(tmp_path):
-    """multiprocessing hands the forkserver the caller's __main__, which every worker would then
-    import: torch and all (~350 MB a worker), and, without a __main__ guard, its own runner."""
-    script = tmp_path / "train.py"
-    script.write_text(CALLER_WITH_TORCH)
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                            timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.strip().splitlines()[-1] == "torch in worker: 0.0", result.stdout

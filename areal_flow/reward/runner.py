@@ -15,14 +15,11 @@ reward's own module, never torch.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import logging
 import math
 import multiprocessing
-import multiprocessing.forkserver
 import numbers
-import sys
 import threading
 import time
 from collections import Counter, deque
@@ -91,8 +88,6 @@ class RewardRunner:
         context = multiprocessing.get_context("forkserver")
         # Workers import the package (light: no torch), not the caller's __main__ script.
         context.set_forkserver_preload(["areal_flow"])
-        with _main_script_hidden():
-            multiprocessing.forkserver.ensure_running()
         self._pool = ProcessPool(max_workers=max_workers, context=context)
         self._counts: Counter[str] = Counter()
         self._seconds = 0.0
@@ -168,24 +163,6 @@ class RewardRunner:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-@contextlib.contextmanager
-def _main_script_hidden():
-    """While the forkserver starts, `__main__` has no file or spec: multiprocessing would
-    otherwise hand it the caller's script (a recipe: torch, transformers, ~350 MB), which it
-    imports into every worker, and which fails every call when it lacks an
-    ``if __name__ == "__main__"`` guard. A reward defined in __main__ is refused anyway."""
-    main = sys.modules["__main__"]
-    saved = {name: main.__dict__[name] for name in ("__file__", "__spec__")
-             if name in main.__dict__}
-    main.__dict__.pop("__file__", None)
-    main.__spec__ = None
-    try:
-        yield
-    finally:
-        main.__dict__.pop("__spec__", None)
-        main.__dict__.update(saved)
 
 
 def _in_range(value: Any, spec: RewardSpec) -> bool:
