@@ -39,8 +39,10 @@ def out_of_range(completion: str) -> float:
     return 7.0
 
 
-@reward("tests.imports_torch", timeout=30.0)
+@reward("tests.imports_torch", timeout=30.0, default=-1.0, range=(-1.0, 1.0))
 def imports_torch(completion: str) -> float:
+    """1 when the worker has torch loaded; -1 (the default) when the call failed, so that a
+    broken pool never reads as "no torch"."""
     import sys
     return float("torch" in sys.modules)
 

@@ -44,7 +44,8 @@ def test_a_misbehaving_reward_scores_its_default_and_the_next_call_is_true(
 
 
 def test_rewards_run_in_light_worker_processes(runner):
-    # the parent has torch loaded (the test session imports it); the workers must not
+    # the parent has torch loaded (the test session imports it); the workers must not (pytest's
+    # main script does not import it; a recipe's does: the gap in docs/architecture.md)
     import torch  # noqa: F401
 
     assert score(runner, "tests.imports_torch") == 0.0

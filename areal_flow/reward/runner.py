@@ -8,8 +8,9 @@ is counted in `stats()`. Async rewards are awaited in the caller's loop under th
 A reward that fails on more than `max_failure_rate` of its recent calls raises
 `RewardFailureError` instead: a run whose rewards are mostly defaults is not training on rewards.
 
-Workers resolve rewards by registry name ("package.module:function"), so they import only the
-reward's own module, never torch.
+Workers resolve rewards by registry name ("package.module:function"): a reward needs nothing of
+the caller's but its own module (multiprocessing still imports the caller's main script in each
+worker; see docs/architecture.md).
 """
 
 from __future__ import annotations
