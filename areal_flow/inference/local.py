@@ -187,8 +187,8 @@ class LocalEngine:
         run raises ValueError here, before it could join (and fail) a batch of others."""
         for field, ids in (("input_ids", request.input_ids),
                            ("stop_token_ids", request.sampling.stop_token_ids)):
-            bad = next((i for i, t in enumerate(ids) if not 0 <= t < self.vocab_size), None)
-            if bad is not None:
+            if ids and not (0 <= min(ids) and max(ids) < self.vocab_size):  # C speed, each call
+                bad = next(i for i, t in enumerate(ids) if not 0 <= t < self.vocab_size)
                 raise ValueError(f"'{field}' holds token id {ids[bad]} at position {bad}, outside "
                                  f"the model's vocabulary [0, {self.vocab_size})")
         total = len(request.input_ids) + request.sampling.max_new_tokens

@@ -87,7 +87,8 @@ class RewardRunner:
         self.max_failure_rate = max_failure_rate
         self._recent: dict[str, deque[bool]] = {}
         context = multiprocessing.get_context("forkserver")
-        # Workers import the package (light: no torch), not the caller's __main__ script.
+        # Preloaded once in the forkserver, so a new worker starts in a fraction of a second
+        # (each still imports the caller's main script: the gap in docs/architecture.md).
         context.set_forkserver_preload(["areal_flow"])
         self._pool = ProcessPool(max_workers=max_workers, context=context)
         self._counts: Counter[str] = Counter()
@@ -126,14 +127,14 @@ class RewardRunner:
             self._counts[outcome] += 1
             recent = self._recent.setdefault(spec.name, deque(maxlen=FAILURE_WINDOW))
             recent.append(outcome != "ok")
-            failed = sum(recent)
+            failed, judged = sum(recent), len(recent)
         if outcome == "ok":
             return float(value)
         what = f"{outcome}: {value!r}" if outcome in ("error", "invalid") else \
             f"{outcome} (its {spec.timeout} s limit)" if outcome == "timeout" else outcome
-        if len(recent) >= FAILURE_WINDOW // 2 and failed > self.max_failure_rate * len(recent):
+        if judged >= FAILURE_WINDOW // 2 and failed > self.max_failure_rate * judged:
             raise RewardFailureError(
-                f"reward {spec.name!r} failed on {failed} of its last {len(recent)} calls, more "
+                f"reward {spec.name!r} failed on {failed} of its last {judged} calls, more "
                 f"than the limit of {self.max_failure_rate:.0%} (--reward-failure-limit); last "
                 f"failure: {what}. Fix the reward, or raise the limit (1 never stops)")
         log.warning("reward %r: %s; scored its default %s", spec.name, what, spec.default)
