@@ -71,3 +71,17 @@ def fails_on_x(completion: str, **fields) -> float:
 @reward("tests.always_fails", timeout=5.0)
 def always_fails(completion: str, **fields) -> float:
     raise RuntimeError("this reward is broken")
+
+
+@reward("tests.async_blocks", timeout=0.5, default=0.5)
+async def async_blocks(completion: str) -> float:
+    """Blocking code in an async reward: no await, so only killing its process can stop it."""
+    time.sleep(20)
+    return 1.0
+
+
+@reward("tests.async_segfaults", timeout=5.0)
+async def async_segfaults(completion: str) -> float:
+    import ctypes
+    ctypes.string_at(0)  # reads address 0: SIGSEGV
+    return 1.0

@@ -4,11 +4,19 @@ are counted, and the pool recovers for the next call."""
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import time
 
 import pytest
 
 from areal_flow.reward.runner import FAILURE_WINDOW, RewardFailureError, RewardRunner
 from tests import rewards_for_tests
+from tests.conftest import REPO
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +52,8 @@ def test_a_misbehaving_reward_scores_its_default_and_the_next_call_is_true(
 
 
 def test_rewards_run_in_light_worker_processes(runner):
-    # the parent has torch loaded (the test session imports it); the workers must not (pytest's
-    # main script does not import it; a recipe's does: the gap in docs/architecture.md)
+    # the parent has torch loaded (the test session imports it); the workers must not (a script
+    # importing torch: test_workers_never_import_the_callers_script)
     import torch  # noqa: F401
 
     assert score(runner, "tests.imports_torch") == 0.0
@@ -69,8 +77,12 @@ def test_a_reward_defined_in_a_script_gets_a_clear_error(runner):
     def local(completion):
         return 1.0
 
-    with pytest.raises(ValueError, match="cannot be imported by a worker process"):
-        asyncio.run(runner.score(local, "x"))
+    async def local_async(completion):  # async ones run in workers too
+        return 1.0
+
+    for fn in (local, local_async):
+        with pytest.raises(ValueError, match="cannot be imported by a worker process"):
+            asyncio.run(runner.score(fn, "x"))
 
 
 def test_a_reward_that_cannot_take_the_arguments_fails_instead_of_scoring_its_default(runner):
@@ -108,3 +120,104 @@ def test_failures_below_the_limit_score_defaults_and_never_stop():
         assert r.stats()["failure_rate"] == pytest.approx(texts.count("x") / len(texts))
     with pytest.raises(ValueError, match="max_failure_rate"):
         RewardRunner(max_failure_rate=1.5)
+
+
+def _run_script(folder, body, cwd=None, tests_importable=True):
+    """`body` run as a script in `folder` (its own `__main__`, no `if __name__` guard), with
+    the repo's tests importable if asked; its stdout's last line, parsed."""
+    script = folder / "train.py"
+    script.write_text(textwrap.dedent(body))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if tests_importable:
+        env["PYTHONPATH"] = str(REPO)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=180, env=env, cwd=cwd or folder)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.faults
+def test_workers_never_import_the_callers_script(tmp_path):
+    """A script without a main guard that imports torch: workers must not run it (it would run
+    its body again, and bring torch into every worker)."""
+    ran = tmp_path / "ran.txt"
+    result = _run_script(tmp_path, f"""
+        import asyncio, json
+        import torch  # what a recipe imports; a worker importing this script would have it
+        from areal_flow.reward.runner import RewardRunner
+        from tests.rewards_for_tests import imports_torch, length
+        with open({str(ran)!r}, "a") as f:
+            f.write("ran\\n")
+        runner = RewardRunner(max_workers=1)
+        scores = [asyncio.run(runner.score(length, "four")),
+                  asyncio.run(runner.score(imports_torch, "x"))]
+        print(json.dumps({{"scores": scores, "stats": runner.stats()}}))
+        runner.close()
+    """)
+    assert ran.read_text() == "ran\n"  # the body ran once: in the caller only
+    # 0: the worker answered and has no torch (1: it has; -1, the default: the call failed)
+    assert result["scores"] == [4.0, 0.0]
+    assert result["stats"]["failure_rate"] == 0.0
+
+
+@pytest.mark.faults
+def test_workers_import_the_callers_areal_flow_when_started_beside_a_clone(tmp_path):
+    """Started from the folder holding a clone named areal_flow: `areal_flow` there is the
+    clone's root (a namespace package whose __init__ never runs), not the package; a worker
+    that imports it cannot run a reward written with `from areal_flow import reward`."""
+    (tmp_path / "areal_flow").symlink_to(REPO, target_is_directory=True)
+    scripts = tmp_path / "scripts"
+    scripts.mkdir()
+    (scripts / "my_rewards.py").write_text(textwrap.dedent("""
+        from areal_flow import reward
+
+        @reward("my.length", range=(0.0, 100.0))
+        def length(completion):
+            return float(len(completion))
+    """))
+    result = _run_script(scripts, """
+        import asyncio, json
+        from areal_flow.reward.runner import RewardRunner
+        import my_rewards
+        with RewardRunner(max_workers=1) as runner:
+            score = asyncio.run(runner.score(my_rewards.length, "four"))
+            print(json.dumps({"score": score, "stats": runner.stats()}))
+    """, cwd=tmp_path, tests_importable=False)
+    assert result["score"] == 4.0
+    assert result["stats"]["failure_rate"] == 0.0
+
+
+@pytest.mark.faults
+def test_an_async_reward_blocking_past_its_timeout_is_killed_and_scores_its_default(runner):
+    """`time.sleep(20)` in an async reward with a 0.5 s timeout: awaited in the caller's loop it
+    would freeze that loop for 20 s; in a worker it is killed at its timeout."""
+    runner.stats()
+    start = time.monotonic()
+    assert score(runner, "tests.async_blocks") == 0.5
+    assert time.monotonic() - start < 10
+    assert runner.stats()["timeouts"] == 1
+
+
+@pytest.mark.faults
+def test_an_async_reward_that_segfaults_is_a_crash_and_the_caller_survives(tmp_path):
+    result = _run_script(tmp_path, """
+        import asyncio, json
+        from areal_flow.reward.runner import RewardRunner
+        import tests.rewards_for_tests
+        with RewardRunner(max_workers=1) as runner:
+            scores = [asyncio.run(runner.score("tests.async_segfaults", "x")),
+                      asyncio.run(runner.score("tests.length", "four"))]
+            print(json.dumps({"scores": scores, "stats": runner.stats()}))
+    """)
+    assert result["scores"] == [0.0, 4.0]
+    assert result["stats"]["crashes"] == 1 and result["stats"]["calls"] == 2
+
+
+def test_the_log_says_how_a_worker_crashed_or_how_long_it_ran(runner, caplog):
+    with caplog.at_level(logging.WARNING, logger="areal_flow.reward.runner"):
+        score(runner, "tests.kills_itself")
+        score(runner, "tests.sleeps_forever")
+    assert [r.getMessage() for r in caplog.records] == [
+        "reward 'tests.kills_itself': crashed (killed by SIGKILL); scored its default 0.0",
+        "reward 'tests.sleeps_forever': timed out after 0.5 s; scored its default 0.0",
+    ]

@@ -20,8 +20,10 @@ def reward(
 ) -> Callable[[F], F]:
     """Register ``fn(completion: str, **kwargs) -> float`` (sync or async) as reward `name`.
 
-    A call that raises, crashes or runs past `timeout` seconds scores `default`; every score
-    must lie within `range`. The function is returned unchanged.
+    It runs in a reward worker process (an async one under ``asyncio.run`` there), so it must
+    be defined at the top level of a module. A call that raises, crashes or runs past `timeout`
+    seconds scores `default`; every score must lie within `range`. The function is returned
+    unchanged.
     """
     def decorate(fn: F) -> F:
         spec = RewardSpec(name=name, fn=fn, timeout=timeout, default=default, range=range)

@@ -1,34 +1,46 @@
 """Runs rewards so that a bad one can never stall training.
 
-Sync rewards run in worker processes (pebble, started by ``forkserver``: never ``fork`` from a
-process running torch and threads). A call past its reward's `timeout` has its worker killed and
-replaced; a worker that dies (segfault, ``os._exit``, SIGKILL) is replaced too; an exception or
-an out-of-range or non-finite score is an error. Each of these scores the reward's `default` and
-is counted in `stats()`. Async rewards are awaited in the caller's loop under the same timeout.
-A reward that fails on more than `max_failure_rate` of its recent calls raises
-`RewardFailureError` instead: a run whose rewards are mostly defaults is not training on rewards.
+Every reward, sync or async, runs in a worker process (pebble, started by ``forkserver``: never
+``fork`` from a process running torch and threads); an async one is run there by
+``asyncio.run``, so blocking code in it cannot freeze the caller's event loop. A call past its
+reward's `timeout` has its worker killed and replaced; a worker that dies (segfault,
+``os._exit``, SIGKILL) is replaced too; an exception or an out-of-range or non-finite score is an
+error. Each of these scores the reward's `default` and is counted in `stats()`. A reward that
+fails on more than `max_failure_rate` of its recent calls raises `RewardFailureError` instead: a
+run whose rewards are mostly defaults is not training on rewards.
 
-Workers resolve rewards by registry name ("package.module:function"): a reward needs nothing of
-the caller's but its own module (multiprocessing still imports the caller's main script in each
-worker; see docs/architecture.md).
+Workers resolve rewards by registry name ("package.module:function"), so they need nothing of
+the caller's but the reward's own module: they never import the caller's main script (see
+`_WorkerPopen`), and they import `areal_flow` through the caller's `sys.path`, as the caller did.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import io
 import logging
 import math
-import multiprocessing
 import numbers
+import os
+import signal
 import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
 
+from multiprocessing import forkserver, popen_forkserver, spawn, util
+from multiprocessing.context import (
+    ForkServerContext,
+    ForkServerProcess,
+    reduction,
+    set_spawning_popen,
+)
+
 from pebble import ProcessExpired, ProcessPool
 
+import areal_flow
 from areal_flow.registry import SPEC_ATTR, rewards
 from areal_flow.types import RewardSpec
 
@@ -52,13 +64,62 @@ def _importable_path(spec: RewardSpec) -> str:
     if module == "__main__" or "<locals>" in qualname:
         raise ValueError(
             f"reward {spec.name!r} ({module}:{qualname}) cannot be imported by a worker process; "
-            "define it at the top level of a module (or make it async to run it in-process)"
+            "define it at the top level of a module"
         )
     return f"{module}:{qualname}"
 
 
-def _call_in_worker(path: str, args: tuple, kwargs: dict) -> Any:
-    return rewards.get(path).fn(*args, **kwargs)
+def _call_in_worker(path: str, package: str, args: tuple, kwargs: dict) -> Any:
+    if areal_flow.__file__ != package:  # e.g. a namespace package from a folder named areal_flow
+        raise ImportError(f"the reward worker imported areal_flow from "
+                          f"{list(areal_flow.__path__)}, the caller from {package}; check "
+                          "sys.path and the working directory")
+    value = rewards.get(path).fn(*args, **kwargs)
+    # An async reward gets a loop of its own here, where the timeout can kill blocking code.
+    return asyncio.run(value) if inspect.iscoroutine(value) else value
+
+
+class _WorkerPopen(popen_forkserver.Popen):
+    """Starts a reward worker without the caller's main script.
+
+    multiprocessing tells every new process to import the caller's `__main__` (as `__mp_main__`,
+    so that functions defined there unpickle): a recipe's torch and transformers in every worker,
+    and a script without an ``if __name__ == "__main__"`` guard run again in each. Reward workers
+    need nothing from it (rewards are named "module:function"; one in `__main__` is refused up
+    front), so these two keys are dropped. The rest is CPython 3.11's
+    `popen_forkserver.Popen._launch`, unchanged; other users of multiprocessing are not affected.
+    """
+
+    def _launch(self, process_obj: Any) -> None:
+        prep_data = spawn.get_preparation_data(process_obj._name)
+        prep_data.pop("init_main_from_path", None)
+        prep_data.pop("init_main_from_name", None)
+        buf = io.BytesIO()
+        set_spawning_popen(self)
+        try:
+            reduction.dump(prep_data, buf)
+            reduction.dump(process_obj, buf)
+        finally:
+            set_spawning_popen(None)
+        self.sentinel, w = forkserver.connect_to_new_process(self._fds)
+        _parent_w = os.dup(w)  # the child watches this end to learn that its parent died
+        self.finalizer = util.Finalize(self, util.close_fds, (_parent_w, self.sentinel))
+        with open(w, "wb", closefd=True) as f:
+            f.write(buf.getbuffer())
+        self.pid = forkserver.read_signed(self.sentinel)
+
+
+class _WorkerProcess(ForkServerProcess):
+    @staticmethod
+    def _Popen(process_obj: Any) -> _WorkerPopen:
+        return _WorkerPopen(process_obj)
+
+
+class _WorkerContext(ForkServerContext):
+    # Nothing preloaded in the forkserver: it would import areal_flow with the forkserver's own
+    # sys.path, whose first entry is the working directory, where a clone's root folder named
+    # areal_flow shadows the package. Workers import it after taking the caller's sys.path.
+    Process = _WorkerProcess
 
 
 class RewardFailureError(RuntimeError):
@@ -86,11 +147,7 @@ class RewardRunner:
             raise ValueError(f"'max_failure_rate' must be in [0, 1]: {max_failure_rate}")
         self.max_failure_rate = max_failure_rate
         self._recent: dict[str, deque[bool]] = {}
-        context = multiprocessing.get_context("forkserver")
-        # Preloaded once in the forkserver, so a new worker starts in a fraction of a second
-        # (each still imports the caller's main script: the gap in docs/architecture.md).
-        context.set_forkserver_preload(["areal_flow"])
-        self._pool = ProcessPool(max_workers=max_workers, context=context)
+        self._pool = ProcessPool(max_workers=max_workers, context=_WorkerContext())
         self._counts: Counter[str] = Counter()
         self._seconds = 0.0
         self._lock = threading.Lock()
@@ -104,23 +161,20 @@ class RewardRunner:
             raise TypeError(f"reward {spec.name!r} cannot take the arguments it is called with "
                             f"({exc}); accept them (e.g. **kwargs) or pick another reward: "
                             f"keywords {sorted(kwargs)}") from None
-        is_async = inspect.iscoroutinefunction(spec.fn)
-        path = None if is_async else _importable_path(spec)
+        path = _importable_path(spec)
         start = time.perf_counter()
         try:
-            if is_async:
-                value = await asyncio.wait_for(spec.fn(*args, **kwargs), spec.timeout)
-            else:
-                future = self._pool.schedule(_call_in_worker, args=(path, args, kwargs),
-                                             timeout=spec.timeout)
-                value = await asyncio.wrap_future(future)
-            outcome = "ok" if _in_range(value, spec) else "invalid"
+            future = self._pool.schedule(_call_in_worker, timeout=spec.timeout,
+                                         args=(path, areal_flow.__file__, args, kwargs))
+            value = await asyncio.wrap_future(future)
+            outcome, what = ("ok", "") if _in_range(value, spec) else \
+                ("invalid", f"invalid: {value!r}")
         except TimeoutError:  # the worker was killed and is being replaced
-            outcome = "timeout"
-        except ProcessExpired:  # the worker died; pebble starts a new one
-            outcome = "crash"
+            outcome, what = "timeout", f"timed out after {spec.timeout} s"
+        except ProcessExpired as exc:  # the worker died; pebble starts a new one
+            outcome, what = "crash", f"crashed ({_exit_status(exc.exitcode)})"
         except Exception as exc:
-            outcome, value = "error", exc
+            outcome, what = "error", f"error: {exc!r}"
         with self._lock:  # stats() is read from the trainer thread
             self._seconds += time.perf_counter() - start
             self._counts["calls"] += 1
@@ -130,8 +184,6 @@ class RewardRunner:
             failed, judged = sum(recent), len(recent)
         if outcome == "ok":
             return float(value)
-        what = f"{outcome}: {value!r}" if outcome in ("error", "invalid") else \
-            f"{outcome} (its {spec.timeout} s limit)" if outcome == "timeout" else outcome
         if judged >= FAILURE_WINDOW // 2 and failed > self.max_failure_rate * judged:
             raise RewardFailureError(
                 f"reward {spec.name!r} failed on {failed} of its last {judged} calls, more "
@@ -171,3 +223,12 @@ def _in_range(value: Any, spec: RewardSpec) -> bool:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return False
     return math.isfinite(value) and spec.range[0] <= value <= spec.range[1]
+
+
+def _exit_status(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            pass
+    return f"exit code {code}"
