@@ -6,6 +6,7 @@ This module must not import torch at run time: reward worker processes import
 
 from __future__ import annotations
 
+import hashlib
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
@@ -44,6 +45,14 @@ def _tuple_of_ints(value: Sequence[int]) -> tuple[int, ...]:
 
 
 # ---------------------------------------------------------------------------- generation
+
+
+def derived_seed(*parts: object) -> int:
+    """A sampling seed that is a pure function of `parts` (a run's seed, a group's admission
+    number, an episode's index, ...): the same request gets the same random stream in any
+    process and whatever else runs beside it. A non-negative int64."""
+    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 2
 
 
 @attrs.frozen(kw_only=True)

@@ -97,21 +97,50 @@ def test_long_prompts_are_skipped_and_counted():
     assert stats["skipped_long_prompts"] >= 1 and "workflow_errors" not in stats
 
 
+class RecordingPool(InstantPool):
+    """Instant completions; remembers each request's (sample id, seed) in arrival order."""
+
+    def __init__(self):
+        self.requests: list[tuple[int, int | None]] = []
+
+    async def generate(self, request):
+        self.requests.append((int(request.episode_id.split("/")[0]), request.sampling.seed))
+        return await super().generate(request)
+
+
+def seeds_by_sample(pool: RecordingPool) -> dict[int, list[int | None]]:
+    out: dict[int, list[int | None]] = {}
+    for sample_id, seed in pool.requests:
+        out.setdefault(sample_id, []).append(seed)
+    return {k: sorted(v) for k, v in out.items()}
+
+
 @pytest.mark.parametrize("order", ["fifo", "oldest_version"])
-def test_a_restart_readmits_unconsumed_prompts_first_and_keeps_admission_right(order):
+def test_a_restart_readmits_unconsumed_groups_first_in_admission_order_with_their_seeds(order):
     attempts.clear()
     data = [{"id": i, "fails": 0, "text": "ab"} for i in range(10)]
-    with scheduler(data, batch_size=2, max_staleness=1, consume_order=order) as s:
+
+    def make(pool):
+        s = scheduler(data, batch_size=2, max_staleness=1, consume_order=order)
+        s.pool, s.shuffle, s.seed = pool, True, 7  # shuffled: admission order is not id order
+        return s
+
+    before = RecordingPool()
+    with make(before) as s:
         first = s.prepare_batch(timeout=30)
         s.set_version(1)
         s.settle()
         state = s.state_dict()
     consumed = sorted(set(first["sample_ids"].tolist()))
+    pending = [sample_id for _, sample_id in state["pending"]]
+    admitted = list(dict.fromkeys(sample_id for sample_id, _ in before.requests))
     assert state["version"] == 1 and state["consumed"] == 2
     # η=1 at version 1 admits up to 3 batches' worth of groups: 2 consumed, 4 left unconsumed
-    assert len(state["pending"]) == 4 and not set(state["pending"]) & set(consumed)
+    assert len(pending) == 4 and not set(pending) & set(consumed)
+    assert pending == [i for i in admitted if i not in consumed] != sorted(pending)
 
-    restored = scheduler(data, batch_size=2, max_staleness=1, consume_order=order)
+    after = RecordingPool()
+    restored = make(after)
     restored.load_state_dict(state)
     restored.pause()
     with restored:
@@ -119,8 +148,14 @@ def test_a_restart_readmits_unconsumed_prompts_first_and_keeps_admission_right(o
         batches = [restored.prepare_batch(timeout=30) for _ in range(2)]
         stats = restored.stats()
     seen = [sorted(set(b["sample_ids"].tolist())) for b in batches]
-    assert sorted(seen[0] + seen[1]) == sorted(state["pending"])
+    assert sorted(seen[0] + seen[1]) == sorted(pending)
+    assert [i for i, _ in after.requests[::2][:4]] == pending  # re-admitted first, in order
     assert stats["version"] == 1 and stats["accepted_total"] <= (1 + 1 + 1) * 2
+    # the re-admitted groups sample with the seeds they had before the restart
+    seeds, again = seeds_by_sample(before), seeds_by_sample(after)
+    assert {i: again[i] for i in pending} == {i: seeds[i] for i in pending}
+    every_seed = [seed for _, seed in before.requests]
+    assert None not in every_seed and len(set(every_seed)) == len(every_seed)
 
 
 def test_an_unknown_consume_order_fails_naming_the_choices():

@@ -44,7 +44,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
-import hashlib
 import logging
 import os
 import threading
@@ -57,7 +56,8 @@ import attrs
 import httpx
 import stamina
 
-from areal_flow.types import Completion, FinishReason, GenerationRequest, WeightUpdate
+from areal_flow.types import (Completion, FinishReason, GenerationRequest, WeightUpdate,
+                              derived_seed)
 
 log = logging.getLogger(__name__)
 
@@ -131,10 +131,7 @@ class _Active:
 
 
 def _resubmission_seed(seed: int | None, produced: int) -> int | None:
-    if seed is None or produced == 0:
-        return seed
-    digest = hashlib.blake2b(f"{seed}:{produced}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") >> 2  # a non-negative int64
+    return seed if seed is None or produced == 0 else derived_seed(seed, produced)
 
 
 def _version(label: Any) -> int:

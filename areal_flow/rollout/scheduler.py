@@ -35,7 +35,7 @@ import attrs
 
 from areal_flow.config import RolloutConfig
 from areal_flow.registry import workflows
-from areal_flow.types import Episode, GenerationPool, SamplingParams, WorkflowSpec
+from areal_flow.types import Episode, GenerationPool, SamplingParams, WorkflowSpec, derived_seed
 from areal_flow.workflow.context import PromptTooLong, RolloutContext
 
 log = logging.getLogger(__name__)
@@ -68,6 +68,8 @@ def has_reward_variance(group: list[Episode]) -> bool:
 
 @attrs.define
 class _Group:
+    serial: int
+    """Its admission number: the seeds of its episodes derive from it (`_episode_seed`)."""
     sample_id: int
     episodes: list[Episode]
 
@@ -135,8 +137,9 @@ class RolloutScheduler:
         self._accepted = 0
         self._consumed = 0
         self._position = 0
-        self._pending: deque[int] = deque()
-        self._inflight: Counter[int] = Counter()
+        self._admitted = 0  # the next admission's number
+        self._pending: deque[tuple[int, int]] = deque()  # (admission number, sample id)
+        self._inflight: dict[int, int] = {}  # admitted, not yet consumed or lost: number -> id
         self._running_groups = 0
         self._running_episodes = 0
         self._paused = False
@@ -230,10 +233,12 @@ class RolloutScheduler:
                 if len(self._queue) >= size:
                     order = sorted(self._queue, key=_CONSUME_ORDERS[self.config.consume_order])
                     groups, self._queue = order[:size], deque(order[size:])
+                    # rows in admission order: the batch does not depend on which finished first
+                    groups.sort(key=lambda g: g.serial)
                     self._count_tokens_locked(groups, stale=False)
                     self._consumed += size
                     for g in groups:
-                        self._inflight[g.sample_id] -= 1
+                        del self._inflight[g.serial]
                     version = self._version
                     break
                 remaining = None if deadline is None else deadline - time.monotonic()
@@ -287,14 +292,17 @@ class RolloutScheduler:
         return {**gauges, **counts, **fractions}
 
     def state_dict(self) -> dict[str, Any]:
-        """Where the dataset iterator stands and what must be re-admitted after a restart."""
+        """Where the dataset iterator stands and what must be re-admitted after a restart:
+        the groups admitted and not yet consumed, as [admission number, sample id] in
+        admission order (the numbers give their episodes the same seeds again)."""
         with self._cond:
-            pending = [*self._pending, *sorted(self._inflight.elements())]
+            pending = sorted([*self._pending, *self._inflight.items()])
             return {
                 "position": self._position,
                 "version": self._version,
                 "consumed": self._consumed,
-                "pending": pending,
+                "admitted": self._admitted,
+                "pending": [list(p) for p in pending],
             }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -304,7 +312,8 @@ class RolloutScheduler:
         self._position = int(state["position"])
         self._version = int(state["version"])
         self._consumed = self._accepted = int(state["consumed"])
-        self._pending = deque(int(i) for i in state["pending"])
+        self._admitted = int(state["admitted"])
+        self._pending = deque((int(n), int(i)) for n, i in state["pending"])
 
     # -- the event loop -----------------------------------------------------------------
 
@@ -352,24 +361,26 @@ class RolloutScheduler:
                         with self._cond:
                             admit = self._can_admit()
                             if admit:
-                                sample_id = self._next_sample_id()
-                                self._inflight[sample_id] += 1
+                                serial, sample_id = self._next_admission()
+                                self._inflight[serial] = sample_id
                                 self._running_groups += 1
                                 self._running_episodes += self.config.group_size
                                 self._peak_running = max(self._peak_running,
                                                          self._running_episodes)
                                 self._counts["admitted_groups"] += 1
                         if admit:
-                            tg.start_soon(self._run_group, sample_id)
+                            tg.start_soon(self._run_group, serial, sample_id)
                         else:
                             await self._changed.wait()
         except Exception as exc:  # a bug in the scheduler must not leave the trainer waiting
             log.exception("rollout scheduler crashed")
             self._fail(RolloutError(f"the rollout scheduler crashed: {exc!r}"))
 
-    def _next_sample_id(self) -> int:
+    def _next_admission(self) -> tuple[int, int]:
+        """(admission number, sample id): groups to re-admit first, then the dataset order."""
         if self._pending:
             return self._pending.popleft()
+        serial, self._admitted = self._admitted, self._admitted + 1
         epoch, k = divmod(self._position, len(self.dataset))
         self._position += 1
         if epoch not in self._permutations:
@@ -377,12 +388,12 @@ class RolloutScheduler:
             if self.shuffle:
                 random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
             self._permutations = {epoch: order}
-        return self._permutations[epoch][k]
+        return serial, self._permutations[epoch][k]
 
-    async def _run_group(self, sample_id: int) -> None:
+    async def _run_group(self, serial: int, sample_id: int) -> None:
         group, outcome = None, "cancelled"
         try:
-            group, outcome = await self._attempt(sample_id, self.dataset[sample_id],
+            group, outcome = await self._attempt(serial, sample_id, self.dataset[sample_id],
                                                  self.config.group_size, self.sampling,
                                                  training=True)
         finally:
@@ -391,7 +402,7 @@ class RolloutScheduler:
                 self._running_episodes -= self.config.group_size
                 accepted = group is not None and self._accept_locked(group)
                 if not accepted:
-                    self._inflight[sample_id] -= 1
+                    del self._inflight[serial]
                     if group is None:
                         self._counts[outcome] += 1
                 self._cond.notify_all()
@@ -419,14 +430,15 @@ class RolloutScheduler:
         self._consecutive_failures = self._consecutive_drops = 0
         return True
 
-    async def _attempt(self, sample_id: int, sample: Any, group_size: int,
+    async def _attempt(self, serial: int, sample_id: int, sample: Any, group_size: int,
                        sampling: SamplingParams, training: bool) -> tuple[_Group | None, str]:
         """Run one group, retrying it whole on errors: (group, "") or (None, why not).
         Evaluation runs (`training=False`) leave the training counters alone."""
         tries = self.config.max_retries + 1
         for attempt in range(tries):
             try:
-                episodes = await self._episodes(sample_id, sample, group_size, attempt, sampling)
+                episodes = await self._episodes(serial, sample_id, sample, group_size, attempt,
+                                                sampling, training)
             except PromptTooLong as exc:
                 log.info("sample %s skipped: %s", sample_id, exc)
                 return None, "skipped_long_prompts"
@@ -440,7 +452,7 @@ class RolloutScheduler:
             kept = [ep for ep in episodes if ep is not None]
             if training:
                 self._count("rejected_episodes", len(episodes) - len(kept))
-            return _Group(sample_id, kept), ""
+            return _Group(serial, sample_id, kept), ""
         if training:
             with self._cond:
                 self._consecutive_failures += 1
@@ -451,15 +463,19 @@ class RolloutScheduler:
                         f"{sample_id}: {last!r}"))
         return None, "failed_samples"
 
-    async def _episodes(self, sample_id: int, sample: Any, group_size: int, attempt: int,
-                        sampling: SamplingParams) -> list[Episode | None]:
+    async def _episodes(self, serial: int, sample_id: int, sample: Any, group_size: int,
+                        attempt: int, sampling: SamplingParams,
+                        training: bool) -> list[Episode | None]:
         results: list[Episode | None] = [None] * group_size
 
         async def one(i: int) -> None:
+            # seeds from where the episode stands in the run, never from what ran before it
+            seed = derived_seed(self.seed, "train" if training else "eval", serial, attempt, i)
             ctx = RolloutContext(
                 pool=self.pool, tokenizer=self.tokenizer, score=self._score,
                 sampling=sampling, episode_id=f"{sample_id}/{attempt}/{i}",
                 config=self.workflow_config, max_prompt_tokens=self.config.max_prompt_tokens,
+                seed=seed,
             )
             episode = await self.workflow.fn(ctx, sample)
             if episode is not None and not isinstance(episode, Episode):
@@ -483,7 +499,7 @@ class RolloutScheduler:
         limit = anyio.CapacityLimiter(max(1, self.config.max_concurrent // group_size))
         async def run(i: int) -> None:
             async with limit:
-                group, _ = await self._attempt(-1 - i, samples[i], group_size, sampling,
+                group, _ = await self._attempt(i, -1 - i, samples[i], group_size, sampling,
                                                training=False)
                 out[i] = group.episodes if group is not None else []
 
@@ -510,7 +526,7 @@ class RolloutScheduler:
             (stale if g.oldest_version() < oldest_allowed else fresh).append(g)
         if stale:
             for g in stale:
-                self._inflight[g.sample_id] -= 1
+                del self._inflight[g.serial]
             self._queue = fresh
             self._accepted -= len(stale)
             self._counts["dropped_stale_groups"] += len(stale)

@@ -7,7 +7,8 @@ from typing import Any
 
 import attrs
 
-from areal_flow.types import Completion, Episode, GenerationPool, GenerationRequest, SamplingParams
+from areal_flow.types import (Completion, Episode, GenerationPool, GenerationRequest,
+                              SamplingParams, derived_seed)
 
 
 class PromptTooLong(ValueError):
@@ -31,6 +32,7 @@ class RolloutContext:
         episode_id: str,
         config: Any = None,
         max_prompt_tokens: int | None = None,
+        seed: int | None = None,
     ):
         self.pool = pool
         self.tokenizer = tokenizer
@@ -39,7 +41,11 @@ class RolloutContext:
         self.config = config
         """The workflow's options (an instance of its declared config class), or None."""
         self.max_prompt_tokens = max_prompt_tokens
+        self.seed = seed
+        """The episode's seed: its n-th sampled `generate` call without a seed of its own gets
+        `derived_seed(seed, n)`, so a resumed run replays exactly what it would have sampled."""
         self._score = score
+        self._calls = 0
 
     def chat(self, messages: list[dict[str, str]]) -> list[int]:
         """The chat template applied to `messages`, ending with the assistant's turn opener."""
@@ -102,6 +108,9 @@ class RolloutContext:
     async def generate(self, prompt_ids: Sequence[int], **sampling: Any) -> Completion:
         """Continue `prompt_ids`; keyword arguments override this run's sampling settings."""
         params = attrs.evolve(self.sampling, **sampling) if sampling else self.sampling
+        if params.seed is None and not params.greedy and self.seed is not None:
+            params = attrs.evolve(params, seed=derived_seed(self.seed, self._calls))
+        self._calls += 1
         request = GenerationRequest(input_ids=prompt_ids, sampling=params,
                                     episode_id=self.episode_id)
         return await self.pool.generate(request)
