@@ -85,3 +85,9 @@ async def async_segfaults(completion: str) -> float:
     import ctypes
     ctypes.string_at(0)  # reads address 0: SIGSEGV
     return 1.0
+
+
+@reward("tests.worker_pid", timeout=5.0, default=-1.0, range=(-1.0, 2.0**32))
+def worker_pid(completion: str) -> float:
+    """The process that scored: lets a test kill a worker while it is idle."""
+    return float(os.getpid())

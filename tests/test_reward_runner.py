@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -49,6 +50,19 @@ def test_a_misbehaving_reward_scores_its_default_and_the_next_call_is_true(
     assert stats[counter] == 1 and stats["calls"] == 2
     others = {"timeouts", "crashes", "errors", "invalid"} - {counter}
     assert all(stats[k] == 0 for k in others)
+
+
+@pytest.mark.faults
+def test_a_worker_killed_while_idle_does_not_break_later_calls():
+    """pebble marks its whole pool broken when a worker dies with no task running (an OOM kill,
+    an operator's SIGKILL): the runner starts a new pool and the next call scores."""
+    with RewardRunner(max_workers=1) as runner:
+        pid = int(score(runner, "tests.worker_pid"))
+        os.kill(pid, signal.SIGKILL)
+        scores = [score(runner, "tests.length", "hello") for _ in range(3)]
+        stats = runner.stats()
+    assert scores == [5.0] * 3
+    assert stats["pool_restarts"] == 1 and stats["calls"] == 4 and stats["failure_rate"] == 0
 
 
 def test_rewards_run_in_light_worker_processes(runner):

@@ -28,8 +28,7 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from typing import Any
-
+from concurrent.futures.process import BrokenProcessPool
 from multiprocessing import forkserver, popen_forkserver, spawn, util
 from multiprocessing.context import (
     ForkServerContext,
@@ -37,6 +36,7 @@ from multiprocessing.context import (
     reduction,
     set_spawning_popen,
 )
+from typing import Any
 
 from pebble import ProcessExpired, ProcessPool
 
@@ -147,6 +147,8 @@ class RewardRunner:
             raise ValueError(f"'max_failure_rate' must be in [0, 1]: {max_failure_rate}")
         self.max_failure_rate = max_failure_rate
         self._recent: dict[str, deque[bool]] = {}
+        self._max_workers = max_workers
+        self._closed = False
         self._pool = ProcessPool(max_workers=max_workers, context=_WorkerContext())
         self._counts: Counter[str] = Counter()
         self._seconds = 0.0
@@ -164,9 +166,15 @@ class RewardRunner:
         path = _importable_path(spec)
         start = time.perf_counter()
         try:
-            future = self._pool.schedule(_call_in_worker, timeout=spec.timeout,
-                                         args=(path, areal_flow.__file__, args, kwargs))
-            value = await asyncio.wrap_future(future)
+            for tries_left in (1, 0):
+                future = self._workers().schedule(_call_in_worker, timeout=spec.timeout,
+                                                  args=(path, areal_flow.__file__, args, kwargs))
+                try:
+                    value = await asyncio.wrap_future(future)
+                    break
+                except BrokenProcessPool:  # it broke before this call ran: once more on a new one
+                    if not tries_left:
+                        raise
             outcome, what = ("ok", "") if _in_range(value, spec) else \
                 ("invalid", f"invalid: {value!r}")
         except TimeoutError:  # the worker was killed and is being replaced
@@ -204,11 +212,28 @@ class RewardRunner:
             "crashes": counts["crash"],
             "errors": counts["error"],
             "invalid": counts["invalid"],
+            "pool_restarts": counts["pool_restarts"],
             "failure_rate": (calls - counts["ok"]) / calls if calls else 0.0,
             "mean_seconds": seconds / calls if calls else 0.0,
         }
 
+    def _workers(self) -> ProcessPool:
+        """The worker pool, replaced when pebble gave up on it: pebble 5 marks the whole pool
+        broken when a worker dies while no task runs (an OOM kill, an operator's SIGKILL), and
+        would then fail every later call."""
+        with self._lock:
+            if not self._pool.active and not self._closed:
+                log.warning("the reward worker pool broke (a worker died while idle); starting "
+                            "a new one")
+                self._pool.stop()
+                self._pool = ProcessPool(max_workers=self._max_workers,
+                                         context=_WorkerContext())
+                self._counts["pool_restarts"] += 1
+            return self._pool
+
     def close(self) -> None:
+        with self._lock:
+            self._closed = True
         self._pool.stop()
         self._pool.join(timeout=10)
 
