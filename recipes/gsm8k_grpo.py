@@ -26,8 +26,8 @@ from areal_flow.data import offline
 from areal_flow.reward.runner import RewardRunner
 from areal_flow.rollout.scheduler import RolloutScheduler
 from areal_flow.run import LiveDisplay, RunDir, StopRequest
-from areal_flow.runtime.distributed import (any_rank, init_distributed, same_on_all_ranks,
-                                            shutdown_distributed)
+from areal_flow.runtime.distributed import (any_rank, exit_process, init_distributed,
+                                            same_on_all_ranks, shutdown_distributed)
 from areal_flow.runtime.engine import TrainEngine
 
 
@@ -159,3 +159,4 @@ def main(cfg: Config) -> None:
 
 if __name__ == "__main__":
     main(tyro.cli(Config))
+    exit_process()  # skips interpreter finalization, which can abort after a good run

@@ -27,8 +27,8 @@ from areal_flow.config import OptimizerConfig, fast_bf16
 from areal_flow.data import offline
 from areal_flow.data.sft import collate_sft
 from areal_flow.run import LiveDisplay, RunConfig, RunDir, StopRequest, peak_rss_gb
-from areal_flow.runtime.distributed import (any_rank, init_distributed, same_on_all_ranks,
-                                            shutdown_distributed)
+from areal_flow.runtime.distributed import (any_rank, exit_process, init_distributed,
+                                            same_on_all_ranks, shutdown_distributed)
 from areal_flow.runtime.engine import TrainConfig, TrainEngine
 
 
@@ -145,3 +145,4 @@ def heldout_nll(trainer: TrainEngine, eval_batch) -> float:
 
 if __name__ == "__main__":
     main(tyro.cli(Config))
+    exit_process()  # skips interpreter finalization, which can abort after a good run

@@ -20,6 +20,7 @@ import tyro
 
 from areal_flow.config import InferenceConfig, OptimizerConfig, RolloutConfig
 from areal_flow.runtime.engine import TrainConfig
+from areal_flow.runtime.distributed import exit_process
 from areal_flow.types import SamplingParams
 from gsm8k_grpo import Config as GSM8KConfig  # the script's folder is on sys.path
 from gsm8k_grpo import main
@@ -53,3 +54,4 @@ class Config(GSM8KConfig):
 
 if __name__ == "__main__":
     main(tyro.cli(Config))
+    exit_process()  # skips interpreter finalization, which can abort after a good run

@@ -9,7 +9,7 @@ import torch
 from tensordict import TensorDict
 
 from areal_flow.config import OptimizerConfig
-from areal_flow.runtime.distributed import shutdown_distributed
+from areal_flow.runtime.distributed import exit_process, shutdown_distributed
 from areal_flow.runtime import checkpoint
 from areal_flow.runtime.engine import TrainConfig, TrainEngine
 from areal_flow.types import LossOutput
@@ -139,7 +139,7 @@ if __name__ == "__main__":
         run_every_collective(engine, batch, out_file)
         torch.save(seen, f"{out_file}.{engine.rank}")
         shutdown_distributed()
-        sys.exit(0)
+        exit_process()
     if kind == "fail":  # rank 0's rollout broke: every rank must stop, none may hang
         engine.train(RuntimeError("the rollout broke") if engine.rank == 0 else None, TokenNLL())
     algorithm = LOSSES[kind]()
@@ -153,3 +153,4 @@ if __name__ == "__main__":
     if engine.rank == 0:
         torch.save({"grads": grads, "params": params, "losses": losses}, out_file)
     shutdown_distributed()
+    exit_process()
