@@ -170,6 +170,10 @@ class InferenceConfig:
     after this instead of holding up every weight update."""
     no_server_timeout: float = attrs.field(default=600.0, validator=v.gt(0))
     """sglang: seconds a request waits for a server in rotation before it fails."""
+    health_timeout: float = attrs.field(default=30.0, validator=v.gt(0))
+    """sglang: seconds a /health check may take (SGLang's takes ~1 s; more while paused, when
+    none is made); a server holding requests is checked every second, so one that froze is
+    taken out, and its requests continue elsewhere, after about this long."""
 
     @device.validator
     def _check_device(self, attribute: attrs.Attribute, value: str) -> None:

@@ -307,24 +307,30 @@ def test_a_server_reporting_default_is_labelled_or_taken_out(addrs, tmp_path, ti
 
 
 @pytest.mark.faults
-def test_a_frozen_server_is_taken_out_of_a_weight_update_in_bounded_time(cluster, addrs, w1_dir,
-                                                                        tiny_model_dir):
+def test_a_frozen_server_is_taken_out_of_a_weight_update_in_bounded_time(cluster, addrs, http,
+                                                                        w1_dir, tiny_model_dir):
     """SIGSTOP: the server accepts connections and never answers. The update goes on without
-    it after --inference.pause-timeout (not the 600 s control timeout); once it answers again
-    it gets the weights it missed before it serves."""
+    it after --inference.pause-timeout (not the 600 s control timeout), and the request it held
+    continues on A (not after the 600 s request timeout); once it answers again it gets the
+    weights it missed before it serves."""
     a, c = addrs["A"], addrs["C"]
     frozen = cluster.processes[2]
-    pool = SGLangPool([a, c], pause_timeout=2, refresh_interval=3600)
+    pool = SGLangPool([a, c], pause_timeout=2, refresh_interval=3600, request_timeout=600)
+    reqs = [greedy(p, 120) for p in prompts(2)]  # least-loaded routing: one on each server
     try:
         pool.update_weights(WeightUpdate(version=1, path=str(tiny_model_dir)))
-        os.killpg(frozen.pid, signal.SIGSTOP)
-        executor = ThreadPoolExecutor(1)  # not waited for: a blocked update must fail the test
+        executor = ThreadPoolExecutor(2)  # not waited for: a blocked call must fail the test
         try:
+            pending = executor.submit(generate_all, pool, reqs)
+            wait_for(lambda: any(t >= 1 for t in http.get(f"http://{c}/get_load").json()
+                                 ["requests"].values()), what="C to generate a request")
+            os.killpg(frozen.pid, signal.SIGSTOP)
             began = time.monotonic()
             executor.submit(pool.update_weights,
                             WeightUpdate(version=2, path=str(w1_dir))).result(timeout=60)
             took = time.monotonic() - began
             assert {s["address"]: s["in_rotation"] for s in pool.servers()} == {a: True, c: False}
+            outs = pending.result(timeout=60)
             out = generate_all(pool, [greedy(prompts(1)[0], 4)])[0]
             assert set(out.versions) == {2}
         finally:
@@ -336,6 +342,9 @@ def test_a_frozen_server_is_taken_out_of_a_weight_update_in_bounded_time(cluster
     finally:
         pool.close()
     assert took < 30
+    # C's request lost what C made (it never answered) and was made again on A, after the update
+    assert all(o.finish_reason == "length" and len(o.token_ids) == 120 for o in outs)
+    assert {2} in [set(o.versions) for o in outs]
 
 
 @pytest.mark.faults
@@ -374,6 +383,60 @@ def test_a_server_killed_mid_request_loses_nothing(cluster, addrs, http, tiny_mo
         assert list(out.token_ids) == greedy_reference(model, r.input_ids, n)
         assert out.text == decode(list(out.token_ids), skip_special_tokens=True)
     assert stats["dead_servers"] == 1 and stats["retries"] >= 2 and stats["requests"] == 4
+
+
+@pytest.mark.faults
+def test_a_server_frozen_mid_request_is_taken_out_and_its_request_finishes_elsewhere(
+        cluster, addrs, http, w1_dir, tiny_model_dir):
+    """SIGSTOP server B while it holds a request, with no pause to come (max_staleness 0): B's
+    health check, run because it holds requests, goes unanswered, so B is taken out and the
+    request continues on A at once: well within 60 s, not the 600 s request timeout. Once B
+    answers again it catches up on the weights it missed and serves again."""
+    a, b = addrs["A"], addrs["B"]
+    frozen = cluster.processes[1]
+    pool = SGLangPool([a, b], request_timeout=600, health_timeout=10)
+    n = 120
+    reqs = [greedy(p, n) for p in prompts(2)]  # least-loaded routing: one on each server
+    try:
+        pool.update_weights(WeightUpdate(version=1, path=str(tiny_model_dir)))
+        pool.stats()
+
+        async def main():
+            tasks = [asyncio.ensure_future(pool.generate(r)) for r in reqs]
+
+            def holding() -> bool:
+                return any(t >= 1 for t in http.get(f"http://{b}/get_load").json()["requests"]
+                           .values())
+
+            await asyncio.to_thread(wait_for, holding, what="B to generate a request")
+            os.killpg(frozen.pid, signal.SIGSTOP)
+            began = time.monotonic()
+            # bounded, so that a request held for the request timeout fails the test instead
+            outs = await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)
+            return outs, time.monotonic() - began
+
+        try:
+            outs, took = run(main())
+            stats = pool.stats()
+            assert {s["address"]: s["in_rotation"] for s in pool.servers()} == {a: True,
+                                                                               b: False}
+            pool.update_weights(WeightUpdate(version=2, path=str(w1_dir)))  # B misses it
+        finally:
+            os.killpg(frozen.pid, signal.SIGCONT)
+        wait_for(lambda: {s["address"]: (s["in_rotation"], s["weight_version"])
+                          for s in pool.servers()}[b] == (True, "2"),
+                 timeout=120, what="B back in rotation with version 2")
+        before = routed(pool)[b]
+        again = generate_all(pool, [greedy(p, 4) for p in prompts(4)])
+        assert routed(pool)[b] > before and all(set(o.versions) == {2} for o in again)
+    finally:
+        pool.close()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    for r, out in zip(reqs, outs):
+        assert out.finish_reason == "length" and set(out.versions) == {1}
+        assert list(out.token_ids) == greedy_reference(model, r.input_ids, n)
+    assert stats["dead_servers"] == 1 and stats["retries"] == 1 and stats["requests"] == 2
+    assert took < 60, took
 
 
 @contextlib.contextmanager

@@ -19,10 +19,16 @@ the calling (trainer) thread until the loop has done them.
   ``dead_servers``) and the request is resubmitted elsewhere with the tokens it had before that
   attempt; nothing already received is lost. So does a reply labelled with a version that is not
   the pool's integer (SGLang's ``"default"``: the server restarted), whose tokens are dropped.
-  Servers out of rotation are health-checked (``GET /health``) by a periodic refresh and come back
-  once they answer. SGLang's ``/health`` generates one token after ~1 s and, while generation is
-  paused, is held and answers 503 after ~20 s: the health budget is 30 s, and no health check
-  runs while the pool itself is paused. Control calls retry connection errors with backoff
+  Taking a server out cancels its ``/generate`` calls in flight, so their requests continue
+  elsewhere at once: a frozen server (SIGSTOP) would otherwise hold them for the request timeout.
+  The periodic refresh (every `refresh_interval`, 1 s) health-checks (``GET /health``) each server
+  in rotation that holds requests, one check at a time, and takes out one that does not answer
+  within the health budget; so a server that freezes is out after ~`health_timeout` (31 s in all
+  by default), even when no pause comes to notice it. Servers out of rotation are health-checked
+  by the same refresh and come back once they answer, after catching up on the weights. SGLang's
+  ``/health`` generates one token after ~1 s and, while generation is paused, is held and answers
+  503 after ~20 s: the health budget is 30 s, a 5xx is an answer, and no health check runs (or
+  counts) while the pool itself is paused. Control calls retry connection errors with backoff
   (stamina).
 - **Membership.** With `addresses_file` (one ``host:port`` a line), the file is re-read when it
   changes: new servers join, removed ones leave rotation (their in-flight requests finish). A
@@ -94,6 +100,10 @@ class _Server:
     """The weight version the server reports."""
     stale: bool = False
     """Answering, but without the latest weights (they came over a group it was not in)."""
+    posts: set[asyncio.Task] = attrs.field(factory=set)
+    """Its /generate calls in flight: taking it out cancels them (a frozen server never answers)."""
+    checking: bool = False
+    """A liveness check (`_check_alive`) is under way."""
 
     @property
     def url(self) -> str:
@@ -187,12 +197,13 @@ class SGLangPool:
             holding up the weight update for `control_timeout`.
         connect_timeout: seconds to open a connection.
         health_timeout: seconds a health check may take (SGLang's takes ~1 s, and up to ~20 s
-            before answering 503 while its generation is paused).
+            before answering 503 while its generation is paused); a server holding requests that
+            does not answer one within this is taken out.
         no_server_timeout: seconds a request waits for a server in rotation before failing.
         retries: retries of a control call on connection errors, and resubmissions of one request
             after server failures (or unexplained aborts) without new tokens.
         refresh_interval: seconds between re-reading the addresses file and health-checking
-            servers out of rotation.
+            servers out of rotation, and those in rotation that hold requests.
         sticky_capacity: most episode ids remembered for sticky routing (oldest forgotten).
     """
 
@@ -291,6 +302,7 @@ class SGLangPool:
                        version=version, tokenizer=model, request_timeout=config.request_timeout,
                        control_timeout=config.control_timeout,
                        pause_timeout=config.pause_timeout,
+                       health_timeout=config.health_timeout,
                        no_server_timeout=config.no_server_timeout)
         except BaseException:
             if launcher is not None:
@@ -367,7 +379,8 @@ class SGLangPool:
 
     def refresh(self) -> None:
         """Re-read the addresses file and health-check servers out of rotation now (the periodic
-        refresh does the same every `refresh_interval` seconds)."""
+        refresh does the same every `refresh_interval` seconds, and starts the liveness checks of
+        servers holding requests)."""
         self._call(self._refresh(force=True))
 
     def servers(self) -> list[dict[str, Any]]:
@@ -504,7 +517,8 @@ class SGLangPool:
             epoch = self._epoch
             server.inflight += 1
             try:
-                reply = await self._post_generate(server, self._body(active))
+                reply = await self._on_server(server, self._post_generate(server,
+                                                                          self._body(active)))
                 versions = _token_versions(reply["meta_info"], len(reply["output_ids"]))
             except (_ServerDown, _ServerError) as exc:
                 if isinstance(exc, _ServerDown):
@@ -597,6 +611,20 @@ class SGLangPool:
             params["sampling_seed"] = seed
         return {"input_ids": [*active.request.input_ids, *active.tokens],
                 "sampling_params": params, "rid": active.wire_rid, "return_logprob": True}
+
+    async def _on_server(self, server: _Server, coro: Coroutine) -> Any:
+        """Awaits `coro` as a task of `server`'s, which `_take_out` cancels: that reads here as
+        `_ServerDown`; a cancellation of the caller (explicit abort, close) propagates."""
+        post = asyncio.ensure_future(coro)
+        server.posts.add(post)
+        try:
+            return await post
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():
+                raise
+            raise _ServerDown(f"{server.address} was taken out of rotation") from None
+        finally:
+            server.posts.discard(post)
 
     async def _post_generate(self, server: _Server, body: dict) -> dict:
         try:
@@ -786,6 +814,10 @@ class SGLangPool:
             server.healthy = False
             self._counts["dead_servers"] += 1
             log.warning("SGLang server %s is out of rotation: %s", server.address, reason)
+        # its requests continue elsewhere now: one that is frozen would hold them for the whole
+        # request timeout (no /abort_request: it would not answer either)
+        for post in server.posts:
+            post.cancel()
 
     async def _post(self, server: _Server, path: str, body: dict | None = None, *,
                     method: str = "POST", timeout: httpx.Timeout | None = None,
@@ -861,10 +893,11 @@ class SGLangPool:
                 log.exception("refreshing the SGLang servers failed")
 
     async def _refresh(self, force: bool = False) -> None:
-        """Sync with the addresses file; bring answering servers (back) into rotation after they
-        catch up with the latest weights. Health checks run without the control lock (a server
-        that does not answer must not delay a pause); catching up takes it, and waits while
-        paused, since a weight update may be under way."""
+        """Sync with the addresses file; start liveness checks of servers holding requests; bring
+        answering servers (back) into rotation after they catch up with the latest weights.
+        Health checks run without the control lock (a server that does not answer must not delay
+        a pause); catching up takes it, and waits while paused, since a weight update may be
+        under way."""
         async with self._refreshing:
             if self._file is not None:
                 self._read_file(force)
@@ -874,6 +907,10 @@ class SGLangPool:
             # SGLang holds /health while generation is paused (503 after ~20 s): not then
             waiting = [] if self._paused else [
                 s for s in self._servers.values() if s.listed and not s.healthy]
+            for server in [] if self._paused else self._rotation():
+                if server.inflight and not server.checking:  # one at a time, not awaited here
+                    server.checking = True
+                    self._spawn(self._check_alive(server))
             answers = await asyncio.gather(*(self._answers(s) for s in waiting))
             answering = [s for s, ok in zip(waiting, answers) if ok]
             if answering:
@@ -914,6 +951,21 @@ class SGLangPool:
         except _ServerDown:
             return False
         return health.status_code == 200
+
+    async def _check_alive(self, server: _Server) -> None:
+        """Health-checks a server in rotation that holds requests: nothing else notices one that
+        froze while no pause comes (max_staleness 0). One that does not answer within the health
+        budget is taken out, which sends its requests elsewhere (`_take_out`); a 5xx answer is
+        an answer."""
+        epoch = self._epoch
+        try:
+            await self._post(server, "/health", method="GET", retry=False,
+                             timeout=self._health_timeout)
+        except _ServerDown as exc:
+            if epoch == self._epoch and not self._paused:  # a pause since would hold /health
+                self._take_out(server, exc)
+        finally:
+            server.checking = False
 
     async def _admit(self, server: _Server) -> None:
         try:
