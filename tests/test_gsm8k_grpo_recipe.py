@@ -128,13 +128,18 @@ def signal_when(args: list[str], ready, exit_within: float,
     process = subprocess.Popen([sys.executable, str(ROOT / "recipes" / RECIPE), *args], cwd=ROOT,
                                env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 240
-    while not ready():
-        assert process.poll() is None and time.monotonic() < deadline, process.stdout.read()
-        time.sleep(0.1)  # polling for a file another process writes, not ordering our own work
-    process.send_signal(sig)
-    output, _ = process.communicate(timeout=exit_within)
-    return process.returncode, output
+    try:
+        deadline = time.monotonic() + 240
+        while not ready():
+            assert process.poll() is None and time.monotonic() < deadline, process.stdout.read()
+            time.sleep(0.1)  # polling for a file another process writes, not ordering our work
+        process.send_signal(sig)
+        output, _ = process.communicate(timeout=exit_within)
+        return process.returncode, output
+    finally:  # a failed check must not leave a run behind
+        if process.poll() is None:
+            process.kill()
+            process.wait()
 
 
 def last_logged_step(run_dir: Path) -> int:
