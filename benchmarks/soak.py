@@ -77,7 +77,7 @@ def recipe_args(model: Path, data: Path, run_dir: Path, addresses: Path, steps: 
             "--inference.request-timeout", "120", "--inference.no-server-timeout", "120",
             "--rollout.batch-size", "4", "--rollout.group-size", "4",
             "--rollout.max-staleness", "0", "--sampling.max-new-tokens", "48",
-            "--reward", "tests.rewards_for_tests:completion_length",
+            "--samples-per-step", "16", "--reward", "tests.rewards_for_tests:text_hash",
             "--inference.dtype", "float32", "--train.no-bf16", "--train.optim.lr", "1e-3"]
 
 
@@ -179,6 +179,16 @@ def trained_groups(run_dir: Path, steps: int) -> list[int]:
     return out
 
 
+def completions(run_dir: Path, steps: int) -> dict[int, list[str]]:
+    """Each step's completions (samples.jsonl holds every row: --samples-per-step 16)."""
+    out: dict[int, list[str]] = {}
+    for line in (run_dir / "samples.jsonl").read_text().splitlines():
+        s = json.loads(line)
+        if 0 < s["step"] <= steps:
+            out.setdefault(s["step"], []).append(s["completion"])
+    return out
+
+
 def weights_gap(a: Path, b: Path, initial: Path) -> tuple[float, float]:
     """(‖a − b‖, ‖b − initial‖) over all weights of two save_pretrained folders."""
     from safetensors.torch import load_file
@@ -221,6 +231,8 @@ def main() -> None:
     gap, moved = weights_gap(faulty / "run" / "checkpoints" / f"step-{steps:06d}" / "hf",
                              clean / "run" / "checkpoints" / f"step-{steps:06d}" / "hf", model)
     faults = [e["fault"] for e in soak["faults"]]
+    texts, reference_texts = completions(faulty / "run", steps), completions(clean / "run", steps)
+    same = [t for t in range(1, steps + 1) if texts.get(t) == reference_texts.get(t)]
     report = {
         "minutes": opts.minutes, "fault_every_s": opts.fault_every, "seed": opts.seed,
         "load_average_at_start": load, "steps": steps, "groups_trained": len(ours),
@@ -230,6 +242,9 @@ def main() -> None:
         "groups_lost_or_added": lost if ours != theirs else 0,
         "epochs_each_prompt_once": all(
             sorted(theirs[i:i + 64]) == list(range(64)) for i in range(0, len(theirs) - 63, 64)),
+        "steps_with_the_same_completions": len(same),
+        "first_step_with_other_completions": next(
+            (t for t in range(1, steps + 1) if t not in same), None),
         "weights_gap": gap, "weights_moved": moved, "weights_gap_ratio": gap / moved,
         "seconds_with_faults": soak["seconds"], "seconds_without": reference["seconds"],
         "wall_time_overhead": soak["seconds"] / reference["seconds"] - 1,

@@ -1,5 +1,6 @@
 """Rewards that misbehave on purpose, importable by reward worker processes."""
 
+import hashlib
 import os
 import time
 
@@ -91,3 +92,10 @@ async def async_segfaults(completion: str) -> float:
 def worker_pid(completion: str) -> float:
     """The process that scored: lets a test kill a worker while it is idle."""
     return float(os.getpid())
+
+
+@reward("tests.text_hash", timeout=5.0)
+def text_hash(completion: str, **fields) -> float:
+    """A deterministic score no policy learns to saturate: every group keeps a spread, so every
+    step moves the weights (long soak runs)."""
+    return int(hashlib.sha256(completion.encode()).hexdigest(), 16) % 1000 / 1000
