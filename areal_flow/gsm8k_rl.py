@@ -50,7 +50,9 @@ class RLConfig(RunConfig):
     wins by printing '#### <any number>'; no credit for a bare guess, which teaches it to stop
     reasoning)."""
     reward: str | None = None
-    """Replaces the reward named in the workflow's config (a registered reward)."""
+    """A registered reward; sets the `reward` field of the workflow's config (rlvr,
+    multi_turn and tool_use have one: a workflow of your own takes --reward when its config
+    class declares `reward: str`)."""
     answer_field: str = "answer"
     """Dataset field with the reference solution, for the accuracy metrics."""
     reward_failure_limit: float = attrs.field(default=0.5, validator=[v.ge(0.0), v.le(1.0)])
@@ -147,8 +149,12 @@ def workflow_config(cfg: RLConfig) -> Any:
             raise ValueError(f"--workflow-config {cfg.workflow_config}: not valid YAML/JSON "
                              f"({error})") from None
     if cfg.reward is not None:
-        if not hasattr(config, "reward"):
-            raise ValueError(f"workflow {cfg.workflow!r} has no 'reward' option: drop --reward")
+        if "reward" not in attrs.fields_dict(type(config)):
+            fields = ", ".join(attrs.fields_dict(type(config))) or "none"
+            raise ValueError(
+                f"--reward sets the 'reward' field of the workflow's config, and workflow "
+                f"{cfg.workflow!r}'s config ({type(config).__name__}) has none (its fields: "
+                f"{fields}): drop --reward, or declare `reward: str` in that config class")
         registry.rewards.get(cfg.reward)  # an unknown name fails now, with suggestions
         config = attrs.evolve(config, reward=cfg.reward)
     return config
