@@ -5,6 +5,7 @@ task; each brings its own default reward and grader."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import time
@@ -50,7 +51,9 @@ class RLConfig(RunConfig):
     wins by printing '#### <any number>'; no credit for a bare guess, which teaches it to stop
     reasoning)."""
     reward: str | None = None
-    """Replaces the reward named in the workflow's config (a registered reward)."""
+    """A registered reward; sets the `reward` field of the workflow's config (rlvr,
+    multi_turn and tool_use have one: a workflow of your own takes --reward when its config
+    class declares `reward: str`)."""
     answer_field: str = "answer"
     """Dataset field with the reference solution, for the accuracy metrics."""
     reward_failure_limit: float = attrs.field(default=0.5, validator=[v.ge(0.0), v.le(1.0)])
@@ -60,7 +63,7 @@ class RLConfig(RunConfig):
     """Held-out rows evaluated greedily every `eval_every` steps (64: a 95% interval of about
     +-6 points near 5% accuracy; 16 could not tell 0% from 10%)."""
     samples_per_step: int = attrs.field(default=2, validator=v.ge(0))
-    """Prompt/completion/reward triples written to samples.jsonl per step."""
+    """Episodes written to samples.jsonl per step: prompt, completion, reward, every segment."""
     rollout: RolloutConfig = RolloutConfig(batch_size=2, group_size=8, max_staleness=1,
                                            max_concurrent=32)
     sampling: SamplingParams = SamplingParams(max_new_tokens=128, temperature=1.0)
@@ -147,8 +150,12 @@ def workflow_config(cfg: RLConfig) -> Any:
             raise ValueError(f"--workflow-config {cfg.workflow_config}: not valid YAML/JSON "
                              f"({error})") from None
     if cfg.reward is not None:
-        if not hasattr(config, "reward"):
-            raise ValueError(f"workflow {cfg.workflow!r} has no 'reward' option: drop --reward")
+        if "reward" not in attrs.fields_dict(type(config)):
+            fields = ", ".join(attrs.fields_dict(type(config))) or "none"
+            raise ValueError(
+                f"--reward sets the 'reward' field of the workflow's config, and workflow "
+                f"{cfg.workflow!r}'s config ({type(config).__name__}) has none (its fields: "
+                f"{fields}): drop --reward, or declare `reward: str` in that config class")
         registry.rewards.get(cfg.reward)  # an unknown name fails now, with suggestions
         config = attrs.evolve(config, reward=cfg.reward)
     return config
@@ -270,14 +277,20 @@ def component_stats(**components: Any) -> dict[str, float]:
 
 
 def samples(cfg: RLConfig, batch, scheduler: RolloutScheduler) -> list[dict[str, Any]]:
-    """The first `samples_per_step` prompt/completion/reward triples of a batch."""
+    """The first `samples_per_step` episodes of a batch: the prompt, the completion (the
+    model's tokens, every turn), the reward, and every segment in order, environment and tool
+    turns included, each marked whether it was trained on."""
     completions = _completions(batch, scheduler)
     tok = scheduler.tokenizer
     out = []
     for i in range(min(cfg.samples_per_step, batch.batch_size[0])):
-        prompt_len = int(batch["loss_mask"][i].float().argmax())
-        out.append({"prompt": tok.decode(batch["input_ids"][i, :prompt_len]),
-                    "completion": completions[i], "reward": batch["rewards"][i].item()})
+        k = int(batch["attention_mask"][i].sum())
+        tokens = zip(batch["input_ids"][i, :k].tolist(), batch["loss_mask"][i, :k].tolist())
+        segments = [{"text": tok.decode([t for t, _ in run]), "trained": trained}
+                    for trained, run in itertools.groupby(tokens, key=lambda pair: pair[1])]
+        out.append({"prompt": "" if segments[0]["trained"] else segments[0]["text"],
+                    "completion": completions[i], "reward": batch["rewards"][i].item(),
+                    "segments": segments})
     return out
 
 

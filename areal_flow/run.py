@@ -1,7 +1,7 @@
 """A training run's folder and what its user sees.
 
 The folder holds the resolved `config.yaml`, `metrics.jsonl` (one line per step, every
-component's `stats()`), `samples.jsonl` (a few prompt/completion/reward triples per step),
+component's `stats()`), `samples.jsonl` (a few episodes per step, every segment in order),
 `checkpoints/step-N/` (exact-resume state plus a `save_pretrained` model), the servers' logs and
 the trackers' files (`tensorboard/`, `wandb/`). Recipes print through `LiveDisplay` and stop
 cleanly through `StopRequest`; `RunConfig` holds the options every recipe shares.

@@ -89,3 +89,30 @@ def test_collation_refuses_an_episode_without_reward():
         collate_groups([[Episode.start([1, 2])]])
     with pytest.raises(ValueError, match="empty batch"):
         collate_groups([])
+
+
+def test_samples_hold_every_segment_of_a_multi_turn_episode_in_order(tiny_model_dir):
+    """samples.jsonl shows the environment's turns between the model's, marked untrained."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from areal_flow.gsm8k_rl import RLConfig, samples
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    turns = ["Question?", " first try", " Wrong, again.", " second try"]
+    ids = [tok.encode(t, add_special_tokens=False) for t in turns]
+
+    def said(token_ids):
+        return Completion(token_ids=token_ids, logprobs=[-1.0] * len(token_ids),
+                          versions=[0] * len(token_ids), finish_reason="stop")
+
+    episode = Episode.start(ids[0], said(ids[1]), reward=0.5)
+    episode.add_tokens(ids[2]).add(said(ids[3]))
+    batch = collate_groups([[episode, Episode.start(ids[0], said(ids[1][:1]), reward=0.0)]])
+    first = samples(RLConfig(samples_per_step=1), batch, SimpleNamespace(tokenizer=tok))
+    assert len(first) == 1
+    assert [(s["text"], s["trained"]) for s in first[0]["segments"]] == [
+        (turns[0], False), (turns[1], True), (turns[2], False), (turns[3], True)]
+    assert first[0]["prompt"] == turns[0] and first[0]["reward"] == 0.5
+    assert first[0]["completion"] == turns[1] + turns[3]

@@ -253,6 +253,8 @@ def test_the_reasoning_gym_recipe_trains_on_a_task_with_its_verifier(tiny_model_
     (["--workflow-config", '{"question_field": "query"}'], "query"),
     # rlvr passes answer=...; a reward without that parameter must not silently score 0
     (["--reward", "tests.rewards_for_tests:length"], "cannot take the arguments"),
+    (["--workflow", "tests.workflows_for_tests:no_reward_option", "--reward", "gsm8k"],
+     "has none (its fields: prefix): drop --reward, or declare `reward: str`"),
     (["--dataset", "reasoning_gym:chain_sum?max_term=3"], "unknown config key(s) ['max_term']"),
 ])
 def test_bad_input_is_named(tiny_model_dir, gsm8k_file, tmp_path, extra, message):

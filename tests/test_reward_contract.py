@@ -4,13 +4,18 @@ pytest plugin and from `areal-flow check-reward`."""
 from __future__ import annotations
 
 import itertools
+import re
+import threading
+import time
 from decimal import Decimal
 
 import pytest
 from hypothesis import given
 
 from areal_flow.testing.contract import ContractViolation, assert_reward_contract, check_reward
-from areal_flow.testing.strategies import completion_text, formatted_numbers
+from areal_flow.testing.strategies import (ANSWER_SYNTAXES, answered, completion_text,
+                                           formatted_numbers)
+from areal_flow import reward
 from areal_flow.types import RewardSpec
 from tests.helpers import run_cli
 
@@ -67,11 +72,12 @@ def test_good_rewards_pass(fn):
 @pytest.mark.parametrize(
     ("fn", "expected"),
     [
-        (raises_on_digits, "raised ValueError: cannot parse"),
-        (out_of_range, "outside its range (0.0, 1.0)"),
-        (not_finite, "which is not finite"),
-        (returns_text, "returned '1', not a real number"),
-        (nondeterministic, "is not deterministic"),
+        (raises_on_digits, "property 'never raises': raises_on_digits('0', **{}) raised "
+                           "ValueError: cannot parse"),
+        (out_of_range, "property 'stays within its range (0.0, 1.0)'"),
+        (not_finite, "property 'returns a finite number'"),
+        (returns_text, "property 'returns a real number': returns_text('', **{}) returned '1'"),
+        (nondeterministic, "property 'deterministic'"),
     ],
 )
 def test_each_kind_of_broken_reward_is_caught(fn, expected):
@@ -80,6 +86,57 @@ def test_each_kind_of_broken_reward_is_caught(fn, expected):
     assert expected in report.failure
     with pytest.raises(ContractViolation, match="FAILED"):
         assert_reward_contract(spec(fn), max_examples=100)
+
+
+def tagged_buggy(completion: str, *, answer: str) -> float:
+    """Parses <answer>N</answer>; float() fails on a number written '1,234' or '$5'."""
+    found = re.search(r"<answer>(.*?)</answer>", completion)
+    return 0.0 if found is None else float(float(found.group(1)) == float(answer))
+
+
+def tagged(completion: str, *, answer: str) -> float:
+    found = re.search(r"<answer>(.*?)</answer>", completion)
+    if found is None:
+        return 0.0
+    try:
+        written = found.group(1).replace(",", "").replace("$", "").rstrip("%")
+        return float(Decimal(written) == Decimal(answer))
+    except ArithmeticError:  # decimal.InvalidOperation: not a number
+        return 0.0
+
+
+def test_an_answer_strategy_reaches_the_main_path_where_the_bug_is():
+    # hostile text alone never writes <answer> tags: the bug stays hidden
+    assert check_reward(spec(tagged_buggy), max_examples=100).ok
+    report = check_reward(spec(tagged_buggy), max_examples=200,
+                          examples=answered(syntaxes=("answer_tag",)))
+    assert not report.ok
+    assert "property 'never raises'" in report.failure and "ValueError" in report.failure
+    fixed = check_reward(spec(tagged), max_examples=200, examples=answered(("answer_tag",)))
+    assert fixed.ok, fixed.summary()
+
+
+@given(answered())
+def test_answered_completions_end_in_an_answer_in_one_of_the_syntaxes(example):
+    completion, kwargs = example
+    assert set(kwargs) == {"answer"}
+    Decimal(kwargs["answer"])  # a plain number
+    assert any(re.search(re.escape(template.split("{}")[0].replace("{{", "{")) + ".+$",
+                         completion) for template in ANSWER_SYNTAXES.values())
+
+
+def hangs(completion: str) -> float:
+    threading.Event().wait()
+    return 0.0
+
+
+@pytest.mark.faults
+def test_a_reward_that_hangs_fails_the_check_within_its_timeout():
+    start = time.monotonic()
+    report = check_reward(spec(hangs, timeout=0.5), max_examples=50)
+    assert not report.ok
+    assert report.failure.startswith("property 'returns within its timeout': hangs(")
+    assert time.monotonic() - start < 30  # one timeout, not one per example or shrink step
 
 
 def test_the_range_the_reward_declares_is_the_one_checked():
@@ -118,7 +175,7 @@ def test_the_pytest_plugin_gives_third_parties_a_fixture(pytester):
     )
     result = pytester.runpytest("-p", "no:cacheprovider")
     result.assert_outcomes(passed=1, failed=1)
-    result.stdout.fnmatch_lines(["*outside its range*"])
+    result.stdout.fnmatch_lines(["*stays within its range*"])
 
 
 def test_check_reward_command_reports_and_sets_the_exit_code(example_plugin_path):
@@ -129,3 +186,28 @@ def test_check_reward_command_reports_and_sets_the_exit_code(example_plugin_path
     assert bad.returncode == 1 and "FAILED" in bad.stdout
     unknown = run_cli("check-reward", "reverse.exakt", paths=(example_plugin_path,), check=False)
     assert unknown.returncode == 2 and "Did you mean 'reverse.exact'?" in unknown.stdout
+
+
+TAGGED_EXAMPLES = answered(syntaxes=("answer_tag",))
+
+
+def test_check_reward_command_takes_answer_syntaxes_and_custom_examples():
+    bad = run_cli("check-reward", "tests.test_reward_contract:tagged_buggy", "--answers",
+                  "answer_tag", check=False)
+    assert bad.returncode == 1 and "property 'never raises'" in bad.stdout
+    good = run_cli("check-reward", "tests.test_reward_contract:tagged", "--examples",
+                   "tests.test_reward_contract:TAGGED_EXAMPLES", "--max-examples", "50")
+    assert "reward 'tests.test_reward_contract:tagged': passed" in good.stdout
+    assert "examples run: 50" in good.stdout
+    wrong = run_cli("check-reward", "tests.test_reward_contract:tagged", "--answers", "xml",
+                    check=False)
+    assert wrong.returncode != 0 and "xml" in wrong.stdout + wrong.stderr
+
+
+hangs_registered = reward("tests.contract_hangs", timeout=0.5)(hangs)
+
+
+@pytest.mark.faults
+def test_check_reward_command_fails_a_hanging_reward_within_its_timeout():
+    result = run_cli("check-reward", "tests.test_reward_contract:hangs_registered", check=False)
+    assert result.returncode == 1 and "returns within its timeout" in result.stdout

@@ -6,6 +6,7 @@ import pytest
 
 from areal_flow import workflow
 from areal_flow.config import RolloutConfig
+from areal_flow.registry import workflows as workflow_specs
 from areal_flow.rollout.scheduler import RolloutError, RolloutScheduler
 from areal_flow.types import Completion, SamplingParams
 from areal_flow.workflow.context import field
@@ -75,16 +76,32 @@ def test_samples_that_keep_failing_end_in_a_clear_error():
     attempts.clear()
     data = [{"id": i, "fails": 99, "text": "a"} for i in range(4)]
     with scheduler(data, batch_size=2, max_retries=1) as s:
-        with pytest.raises(RolloutError, match=r"failed on 3 samples in a row .* RuntimeError"):
+        with pytest.raises(RolloutError, match=r"failed on 3 samples in a row; .* "
+                                               r"RuntimeError\(.*\) \(attempt 2 of 2\)"):
             s.prepare_batch(timeout=30)
 
 
-def test_a_missing_field_reaches_the_trainer_by_name():
+def test_a_missing_field_is_reported_once_with_the_rows_fields_and_not_retried():
     attempts.clear()
     data = [{"id": i, "fails": 0, "txt": "a"} for i in range(4)]
-    with scheduler(data, batch_size=1, max_retries=0) as s:
-        with pytest.raises(RolloutError, match="no field 'text'"):
+    with scheduler(data, batch_size=1, group_size=1, max_retries=2, max_concurrent=1) as s:
+        with pytest.raises(RolloutError, match=r"no field 'text'.*the row's fields: id, fails, "
+                                               r"txt; not retried"):
             s.prepare_batch(timeout=30)
+    assert set(attempts.values()) == {1}  # a retry would fail the same way
+
+
+@workflow("tests.rejects_everything")
+async def rejects_everything(ctx, sample):
+    return None
+
+
+def test_a_workflow_returning_none_every_time_is_named_as_the_cause():
+    s = scheduler([{"id": 0}], batch_size=1, group_size=2)
+    s.workflow = workflow_specs.get("tests.rejects_everything")
+    with s, pytest.raises(RolloutError, match=r"workflow 'tests.rejects_everything' returned "
+                                              r"None \(expected an Episode"):
+        s.prepare_batch(timeout=60)
 
 
 def test_long_prompts_are_skipped_and_counted():

@@ -3,6 +3,8 @@ recipe tests."""
 
 import asyncio
 
+import attrs
+
 from areal_flow import workflow
 from areal_flow.workflow.rlvr import RLVRConfig, rlvr
 
@@ -18,3 +20,14 @@ async def hangs_after_8_episodes(ctx, sample):
     if _calls > 8:
         await asyncio.Event().wait()
     return await rlvr(ctx, sample)
+
+
+@attrs.frozen
+class NoRewardConfig:
+    prefix: str = "Q: "
+
+
+@workflow("tests.no_reward_option", config=NoRewardConfig)
+async def no_reward_option(ctx, sample):
+    """A workflow whose config has no `reward` field: --reward cannot apply to it."""
+    return None

@@ -78,6 +78,10 @@ class _Group:
         return min((v for ep in self.episodes for v in ep.versions if v >= 0), default=math.inf)
 
 
+_SAME_AGAIN = (LookupError, TypeError, AttributeError)
+"""Workflow errors that come from the row or the code, not from a server or a timeout: a retry
+would raise them again (a missing field is a KeyError naming it)."""
+
 # Sort keys of `RolloutConfig.consume_order`. Sorting is stable, so "fifo" keeps finishing order
 # and "oldest_version" breaks ties by it.
 _CONSUME_ORDERS: dict[str, Callable[[_Group], float]] = {
@@ -146,6 +150,7 @@ class RolloutScheduler:
         self._fatal: RolloutError | None = None
         self._consecutive_failures = 0
         self._consecutive_drops = 0
+        self._consecutive_empty = 0  # of those drops, groups whose every episode was None
         self._counts: Counter[str] = Counter()
         self._peak_running = 0
         # model tokens that left the queue, by (dropped as stale?, "" or a length bucket)
@@ -418,8 +423,13 @@ class RolloutScheduler:
         if reason is not None:
             self._counts[reason] += 1
             self._consecutive_drops += 1
+            self._consecutive_empty += not episodes
             if self._consecutive_drops >= max(50 * self.config.batch_size, 200):
                 self._fail_locked(RolloutError(
+                    f"workflow {self.workflow.name!r} returned None (expected an Episode; None "
+                    f"rejects one) for every episode of the last {self._consecutive_drops} "
+                    "groups; no batch can be built. Return ctx.episode(...)"
+                    if self._consecutive_empty == self._consecutive_drops else
                     f"the last {self._consecutive_drops} groups were all dropped (too small or "
                     "rejected by a filter such as dynamic sampling); no batch can be built. "
                     "Check min_group_size, group_size and the filters"))
@@ -427,12 +437,13 @@ class RolloutScheduler:
         self._queue.append(group)
         self._accepted += 1
         self._counts["accepted_groups"] += 1
-        self._consecutive_failures = self._consecutive_drops = 0
+        self._consecutive_failures = self._consecutive_drops = self._consecutive_empty = 0
         return True
 
     async def _attempt(self, serial: int, sample_id: int, sample: Any, group_size: int,
                        sampling: SamplingParams, training: bool) -> tuple[_Group | None, str]:
-        """Run one group, retrying it whole on errors: (group, "") or (None, why not).
+        """Run one group, retrying it whole on errors that may pass (a server, a timeout), not
+        on those the same row raises again (`_SAME_AGAIN`): (group, "") or (None, why not).
         Evaluation runs (`training=False`) leave the training counters alone."""
         tries = self.config.max_retries + 1
         for attempt in range(tries):
@@ -445,9 +456,15 @@ class RolloutScheduler:
             except Exception as exc:
                 if training:
                     self._count("workflow_errors")
-                log.warning("workflow %r failed on sample %s (attempt %d of %d): %r",
-                            self.workflow.name, sample_id, attempt + 1, tries, exc, exc_info=exc)
-                last = exc
+                last = f"{exc!r} (attempt {attempt + 1} of {tries})"
+                if isinstance(exc, _SAME_AGAIN):
+                    fields = ", ".join(map(str, sample)) if isinstance(sample, dict) else "?"
+                    last = (f"{exc!r} (the row's fields: {fields}; not retried: the same row "
+                            "fails the same way)")
+                log.warning("workflow %r failed on sample %s: %s", self.workflow.name,
+                            sample_id, last, exc_info=exc)
+                if isinstance(exc, _SAME_AGAIN):
+                    break
                 continue
             kept = [ep for ep in episodes if ep is not None]
             if training:
@@ -459,8 +476,7 @@ class RolloutScheduler:
                 if self._consecutive_failures >= max(self.config.batch_size, 3):
                     self._fail_locked(RolloutError(
                         f"workflow {self.workflow.name!r} failed on {self._consecutive_failures} "
-                        f"samples in a row (each tried {tries} times); last error on sample "
-                        f"{sample_id}: {last!r}"))
+                        f"samples in a row; last error on sample {sample_id}: {last}"))
         return None, "failed_samples"
 
     async def _episodes(self, serial: int, sample_id: int, sample: Any, group_size: int,

@@ -1,9 +1,12 @@
 """The reward contract every reward must pass, runnable by third parties.
 
 A reward never raises on arbitrary text, returns a finite real number within its declared
-`range`, and is deterministic. Keyword arguments the reward requires are drawn from their type
-annotations (text when there is none). Calls run in this process; containing rewards that hang
-or crash is the reward runner's job, so the report shows the slowest call against the timeout.
+`range`, is deterministic, and returns within its `timeout`. Examples are hostile text with the
+keyword arguments the reward requires drawn from their type annotations (text when there is
+none), or a strategy of ``(completion, kwargs)`` pairs the caller gives — e.g.
+`strategies.answered`, whose completions state an answer in the syntaxes rewards parse, so the
+check reaches a reward's main path. Calls run in this process, each in a thread it waits on
+for the reward's timeout: a reward that hangs fails the check then.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
+import threading
 import time
 import typing
 from typing import Any
@@ -27,6 +31,11 @@ from areal_flow.types import RewardSpec
 
 class ContractViolation(AssertionError):
     pass
+
+
+class _TimedOut(BaseException):
+    """A call overran the timeout: not an Exception, so hypothesis stops at once instead of
+    shrinking (which would wait out the timeout again for every smaller example)."""
 
 
 @attrs.frozen
@@ -66,32 +75,64 @@ def _kwargs_strategy(fn: Any) -> st.SearchStrategy[dict[str, Any]]:
 
 
 def _call(spec: RewardSpec, completion: str, kwargs: dict[str, Any]) -> Any:
-    if inspect.iscoroutinefunction(spec.fn):
-        return anyio.run(lambda: spec.fn(completion, **kwargs))
-    return spec.fn(completion, **kwargs)
+    """The reward's value, or raises what it raised, or `_TimedOut` past its timeout (the call
+    is left running in a daemon thread, which dies with the process)."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            if inspect.iscoroutinefunction(spec.fn):
+                box["value"] = anyio.run(lambda: spec.fn(completion, **kwargs))
+            else:
+                box["value"] = spec.fn(completion, **kwargs)
+        except BaseException as exc:  # handed to the caller
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True, name="reward-contract-call")
+    thread.start()
+    thread.join(spec.timeout)
+    if thread.is_alive():
+        raise _TimedOut
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
-def check_reward(reward: str | RewardSpec, *, max_examples: int = 200) -> ContractReport:
-    """Run the reward contract on a registered name or a spec and report the outcome."""
+def check_reward(reward: str | RewardSpec, *, max_examples: int = 200,
+                 examples: st.SearchStrategy[tuple[str, dict[str, Any]]] | None = None,
+                 ) -> ContractReport:
+    """Run the reward contract on a registered name or a spec and report the outcome.
+    `examples` draws ``(completion, kwargs)`` pairs (default: hostile text, and kwargs from the
+    reward's signature); the failure names the property and the smallest example found."""
     spec = rewards.get(reward) if isinstance(reward, str) else reward
     lo, hi = spec.range
-    seen = {"examples": 0, "slowest": 0.0}
+    seen: dict[str, Any] = {"examples": 0, "slowest": 0.0, "timed_out": None}
 
     def one_call(completion: str, kwargs: dict[str, Any]) -> Any:
         shown = f"{spec.name}({completion!r}, **{kwargs!r})"
         start = time.perf_counter()
         try:
             score = _call(spec, completion, kwargs)
+        except _TimedOut:
+            seen["timed_out"] = (f"property 'returns within its timeout': {shown} did not "
+                                 f"return within {spec.timeout:g} s")
+            raise
         except Exception as exc:
-            raise ContractViolation(f"{shown} raised {type(exc).__name__}: {exc}") from exc
+            raise ContractViolation(f"property 'never raises': {shown} raised "
+                                    f"{type(exc).__name__}: {exc}") from exc
         seen["slowest"] = max(seen["slowest"], time.perf_counter() - start)
         if isinstance(score, bool) or not isinstance(score, numbers.Real):
-            raise ContractViolation(f"{shown} returned {score!r}, not a real number")
+            raise ContractViolation(f"property 'returns a real number': {shown} returned "
+                                    f"{score!r}")
         if not math.isfinite(score):
-            raise ContractViolation(f"{shown} returned {score!r}, which is not finite")
+            raise ContractViolation(f"property 'returns a finite number': {shown} returned "
+                                    f"{score!r}")
         if not lo <= score <= hi:
-            raise ContractViolation(f"{shown} returned {score!r}, outside its range {spec.range}")
+            raise ContractViolation(f"property 'stays within its range {spec.range}': {shown} "
+                                    f"returned {score!r}")
         return score
+
+    default = st.tuples(completion_text(), _kwargs_strategy(spec.fn))
 
     @settings(
         max_examples=max_examples,
@@ -99,13 +140,14 @@ def check_reward(reward: str | RewardSpec, *, max_examples: int = 200) -> Contra
         database=None,
         suppress_health_check=list(HealthCheck),
     )
-    @given(completion=completion_text(), kwargs=_kwargs_strategy(spec.fn))
-    def contract(completion: str, kwargs: dict[str, Any]) -> None:
+    @given(example=default if examples is None else examples)
+    def contract(example: tuple[str, dict[str, Any]]) -> None:
+        completion, kwargs = example
         seen["examples"] += 1
         first, second = one_call(completion, kwargs), one_call(completion, kwargs)
         if first != second:
             raise ContractViolation(
-                f"{spec.name}({completion!r}, **{kwargs!r}) is not deterministic: "
+                f"property 'deterministic': {spec.name}({completion!r}, **{kwargs!r}) returned "
                 f"{first!r} then {second!r}"
             )
 
@@ -114,14 +156,16 @@ def check_reward(reward: str | RewardSpec, *, max_examples: int = 200) -> Contra
         contract()
     except ContractViolation as exc:
         failure = str(exc)
-    if failure is None and seen["slowest"] > spec.timeout:
-        failure = f"a call took {seen['slowest']:.3f} s, over the reward's timeout {spec.timeout} s"
+    except _TimedOut:
+        failure = seen["timed_out"]
     return ContractReport(spec.name, seen["examples"], seen["slowest"], spec.timeout, failure)
 
 
-def assert_reward_contract(reward: str | RewardSpec, *, max_examples: int = 200) -> ContractReport:
+def assert_reward_contract(reward: str | RewardSpec, *, max_examples: int = 200,
+                           examples: st.SearchStrategy[tuple[str, dict[str, Any]]] | None = None,
+                           ) -> ContractReport:
     """`check_reward`, raising `ContractViolation` with the smallest failing example."""
-    report = check_reward(reward, max_examples=max_examples)
+    report = check_reward(reward, max_examples=max_examples, examples=examples)
     if not report.ok:
         raise ContractViolation(report.summary())
     return report

@@ -38,3 +38,24 @@ def completion_text() -> st.SearchStrategy[str]:
         formatted_numbers().map(lambda pair: pair[1]),
     )
     return st.one_of(st.text(), st.lists(piece, max_size=12).map("".join))
+
+
+ANSWER_SYNTAXES = {
+    "####": "#### {}",
+    "boxed": "\\boxed{{{}}}",
+    "answer_tag": "<answer>{}</answer>",
+    "json": '{{"answer": "{}"}}',
+}
+"""How a completion may state its final answer, by name (`answered`'s `syntaxes`)."""
+
+
+@st.composite
+def answered(draw: st.DrawFn, syntaxes: tuple[str, ...] = tuple(ANSWER_SYNTAXES),
+             answer_field: str = "answer") -> tuple[str, dict[str, str]]:
+    """``(completion, kwargs)`` that reach a reward's main path: hostile text ending in a number
+    wrapped in one of `syntaxes`, and the reference answer as ``kwargs[answer_field]`` — the
+    completion's own number about half the time."""
+    canonical, written = draw(formatted_numbers())
+    wrapped = ANSWER_SYNTAXES[draw(st.sampled_from(syntaxes))].format(written)
+    reference = canonical if draw(st.booleans()) else draw(formatted_numbers())[0]
+    return f"{draw(completion_text())} {wrapped}", {answer_field: reference}
