@@ -71,7 +71,7 @@ def exit_process(code: int = 0) -> NoReturn:
     that happens while the interpreter finalizes, Python ends the thread, the unwinding meets
     C++ code that may not throw, and the process aborts ("terminate called without an active
     exception", SIGABRT) after a run that succeeded: torchrun then reports the rank as failed
-    (seen under load, about 1 in 15 two-rank runs; core dump: `runLoop` →
+    (seen under load, 2 in 24 two-rank runs; core dump: `runLoop` →
     `~AsyncBarrierWork` → `~AsyncAllgatherCoalescedWork` → `decref_pyobject` → `take_gil` →
     `pthread_exit`). The recipes close everything they opened before this (run folder,
     loggers, servers, reward workers); only output buffers are left to flush.
