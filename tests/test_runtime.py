@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -55,12 +56,19 @@ def run_all(model_dir: Path, out: Path, runs: dict[str, tuple[int, str, int]]) -
                "--master-port", str(29610 + i), str(SCRIPT), str(model_dir),
                str(out / f"{name}.pt"), kind, str(mb_tokens)]
         procs[name] = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
-                                       stderr=subprocess.STDOUT, text=True)
+                                       stderr=subprocess.STDOUT, text=True,
+                                       start_new_session=True)  # killed with its ranks
     results = {}
-    for name, proc in procs.items():
-        output, _ = proc.communicate(timeout=300)
-        assert proc.returncode == 0, f"{name} failed:\n{output[-3000:]}"
-        results[name] = torch.load(out / f"{name}.pt")
+    try:
+        for name, proc in procs.items():
+            output, _ = proc.communicate(timeout=300)
+            assert proc.returncode == 0, f"{name} failed:\n{output[-3000:]}"
+            results[name] = torch.load(out / f"{name}.pt")
+    finally:  # one failed run must not leave the others running
+        for proc in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
     return results
 
 
