@@ -235,3 +235,25 @@ def test_the_log_says_how_a_worker_crashed_or_how_long_it_ran(runner, caplog):
         "reward 'tests.kills_itself': crashed (killed by SIGKILL); scored its default 0.0",
         "reward 'tests.sleeps_forever': timed out after 0.5 s; scored its default 0.0",
     ]
+
+
+def test_the_worker_popen_is_this_pythons_launch_less_the_main_script():
+    """`_WorkerPopen._launch` is a copy of multiprocessing's own plus two `pop`s: a Python
+    whose `popen_forkserver.Popen._launch` differs must fail here, not start workers wrongly."""
+    import ast
+    import inspect
+    import textwrap
+    from multiprocessing import popen_forkserver
+
+    from areal_flow.reward.runner import _WorkerPopen
+
+    def tree(fn, drop_pops: bool) -> str:
+        node = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0]
+        node.returns = None
+        for arg in node.args.args:
+            arg.annotation = None
+        if drop_pops:
+            node.body = [s for s in node.body if not ("prep_data.pop" in ast.unparse(s))]
+        return ast.dump(node)
+
+    assert tree(_WorkerPopen._launch, True) == tree(popen_forkserver.Popen._launch, False)

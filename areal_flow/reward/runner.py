@@ -134,7 +134,7 @@ class RewardRunner:
     """Scores completions with registered rewards; see the module docstring for the guarantees.
 
     Args:
-        max_workers: worker processes for sync rewards.
+        max_workers: worker processes (every reward runs in one, sync or async).
         max_failure_rate: a reward failing (timeout, crash, error, out of range) on more than
             this fraction of its last `FAILURE_WINDOW` calls raises `RewardFailureError` from
             then on; 1 never does.
