@@ -280,10 +280,11 @@ def samples(cfg: RLConfig, batch, scheduler: RolloutScheduler) -> list[dict[str,
     """The first `samples_per_step` episodes of a batch: the prompt, the completion (the
     model's tokens, every turn), the reward, and every segment in order, environment and tool
     turns included, each marked whether it was trained on."""
-    completions = _completions(batch, scheduler)
+    shown = min(cfg.samples_per_step, batch.batch_size[0])
+    completions = _completions(batch[:shown], scheduler)
     tok = scheduler.tokenizer
     out = []
-    for i in range(min(cfg.samples_per_step, batch.batch_size[0])):
+    for i in range(shown):
         k = int(batch["attention_mask"][i].sum())
         tokens = zip(batch["input_ids"][i, :k].tolist(), batch["loss_mask"][i, :k].tolist())
         segments = [{"text": tok.decode([t for t, _ in run]), "trained": trained}
