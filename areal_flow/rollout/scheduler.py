@@ -69,7 +69,7 @@ def has_reward_variance(group: list[Episode]) -> bool:
 @attrs.define
 class _Group:
     serial: int
-    """Its admission number: the seeds of its episodes derive from it (`_episode_seed`)."""
+    """Its admission number: the seeds of its episodes derive from it (`_episodes`)."""
     sample_id: int
     episodes: list[Episode]
 
@@ -456,14 +456,14 @@ class RolloutScheduler:
             except Exception as exc:
                 if training:
                     self._count("workflow_errors")
-                last = f"{exc!r} (attempt {attempt + 1} of {tries})"
-                if isinstance(exc, _SAME_AGAIN):
-                    fields = ", ".join(map(str, sample)) if isinstance(sample, dict) else "?"
-                    last = (f"{exc!r} (the row's fields: {fields}; not retried: the same row "
-                            "fails the same way)")
+                same_again = isinstance(exc, _SAME_AGAIN)
+                fields = ", ".join(map(str, sample)) if isinstance(sample, dict) else "?"
+                last = (f"{exc!r} (the row's fields: {fields}; not retried: the same row fails "
+                        "the same way)" if same_again else
+                        f"{exc!r} (attempt {attempt + 1} of {tries})")
                 log.warning("workflow %r failed on sample %s: %s", self.workflow.name,
                             sample_id, last, exc_info=exc)
-                if isinstance(exc, _SAME_AGAIN):
+                if same_again:
                     break
                 continue
             kept = [ep for ep in episodes if ep is not None]
