@@ -1,20 +1,23 @@
 """What the RL recipes (`gsm8k_grpo.py`, `gsm8k_ppo.py`, `reasoning_gym_grpo.py`) share: the
 prompts, the config fields besides the algorithm, and the pieces their loops call (batch metrics,
 samples, eval). The data is GSM8K or, with ``--dataset reasoning_gym:<task>``, a reasoning-gym
-task; each brings its own default reward and grader."""
+task; each brings its own default reward, whose `metrics` the panel shows."""
 
 from __future__ import annotations
 
 import itertools
 import json
 import math
+import re
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, TypeVar
 
 import attrs
 import torch
+import tyro
 import yaml
 from attrs import validators as v
 
@@ -22,14 +25,15 @@ from areal_flow import registry
 from areal_flow.config import (InferenceConfig, OptimizerConfig, RolloutConfig, fast_bf16, load,
                                structure)
 from areal_flow.algorithms.functional import flat_groups
+from areal_flow.algorithms.grpo import GRPOConfig
 from areal_flow.data import reasoning_gym
-from areal_flow.reward import gsm8k
-from areal_flow.reward import reasoning_gym as reasoning_gym_reward
 from areal_flow.rollout.scheduler import RolloutError, RolloutScheduler
 from areal_flow.run import RunConfig, StopRequest, peak_rss_gb
 from areal_flow.runtime.engine import TrainConfig
 from areal_flow.types import SamplingParams
 from areal_flow.workflow.rlvr import RLVRConfig
+
+C = TypeVar("C", bound="RLConfig")
 
 PROMPT = ("Answer the question. Show short reasoning, then the final number after '####'.\n\n"
           "Example question: Tom has 3 apples and buys 2 more. How many apples does he have?\n"
@@ -41,8 +45,15 @@ REASONING_GYM_PROMPT = "{question} Reply with only the final answer."
 
 @attrs.frozen(kw_only=True)
 class RLConfig(RunConfig):
-    """An RL run on GSM8K; a recipe adds its `algorithm` (and models for other roles)."""
+    """An RL run on GSM8K; a recipe adds its `algorithm`'s config, of the class that
+    `algorithm_name` declares."""
 
+    algorithm_name: Annotated[str, tyro.conf.arg(name="algorithm")] = "grpo"
+    """A registered algorithm (`areal-flow plugins` lists them: grpo, ppo and your plugins') or
+    a 'module:Class' path. Its config's fields become --algorithm.<field> options, which go
+    after it; `--algorithm NAME --help` lists them."""
+    algorithm: GRPOConfig = GRPOConfig()
+    """The algorithm's options: an instance of the config class `algorithm_name` declares."""
     workflow: str = "rlvr"
     """A registered workflow (see `areal-flow plugins`)."""
     workflow_config: str | None = None
@@ -54,8 +65,6 @@ class RLConfig(RunConfig):
     """A registered reward; sets the `reward` field of the workflow's config (rlvr,
     multi_turn and tool_use have one: a workflow of your own takes --reward when its config
     class declares `reward: str`)."""
-    answer_field: str = "answer"
-    """Dataset field with the reference solution, for the accuracy metrics."""
     reward_failure_limit: float = attrs.field(default=0.5, validator=[v.ge(0.0), v.le(1.0)])
     """Stop the run when a reward fails (timeout, crash, error, out of range: scored as its
     default) on more than this fraction of its last 64 calls; 1 never stops."""
@@ -72,14 +81,77 @@ class RLConfig(RunConfig):
     train: TrainConfig = TrainConfig(optim=OptimizerConfig(lr=2e-5), bf16=fast_bf16(),
                                      max_tokens_per_mb=512)
     inference: InferenceConfig = InferenceConfig()
+    critic: TrainConfig = TrainConfig(optim=OptimizerConfig(lr=5e-5), bf16=fast_bf16(),
+                                      max_tokens_per_mb=512)
+    """The critic's training settings, for an algorithm with the critic role (ppo): a value
+    head on the policy's backbone."""
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
+        spec = registry.algorithms.spec(self.algorithm_name)  # an unknown name fails here
+        options = self.algorithm
+        if spec.config is not None and not isinstance(options, spec.config):
+            raise ValueError(f"--algorithm {self.algorithm_name} takes a {spec.config.__name__} "
+                             f"as its options, not a {type(options).__name__}: build the "
+                             "config with `gsm8k_rl.cli` (the recipes do), or pass "
+                             f"algorithm={spec.config.__name__}(...)")
         if self.train.ppo_minibatches > self.rollout.batch_size:
             raise ValueError(
                 f"--train.ppo-minibatches {self.train.ppo_minibatches} is more than the "
                 f"{self.rollout.batch_size} groups of a batch (--rollout.batch-size): a group is "
                 "never split, so some mini-batches would be empty")
+
+
+def cli(config_class: type[C], args: Sequence[str] | None = None) -> C:
+    """The recipe's config from the command line (`tyro.cli`), where `--algorithm NAME` picks
+    the type of the `algorithm` field: NAME's config class, starting from its defaults, so that
+    the --algorithm.<field> options that follow are that class's (and `--help` shows them)."""
+    args = list(sys.argv[1:] if args is None else args)
+    name = next((value for flag, value in zip(args, args[1:]) if flag == "--algorithm"), None)
+    name = next((a.split("=", 1)[1] for a in args if a.startswith("--algorithm=")), name)
+    default = attrs.fields_dict(config_class)["algorithm_name"].default
+    if name is not None and name != default:
+        try:
+            options = registry.algorithms.spec(name).config
+        except registry.RegistryError as error:
+            raise SystemExit(f"--algorithm {name}: {error}") from None
+        described = Annotated[options, tyro.conf.arg(
+            help=f"Options of algorithm {name} ({getattr(options, '__name__', 'none')}).")]
+        namespace = {"__annotations__": {"algorithm": described},
+                     "algorithm": options() if options is not None else None,
+                     "__module__": config_class.__module__, "__doc__": config_class.__doc__,
+                     "__qualname__": config_class.__qualname__}
+        config_class = attrs.frozen(kw_only=True)(
+            type(config_class.__name__, (config_class,), namespace))
+    return tyro.cli(config_class, args=args)
+
+
+def algorithm(cfg: RLConfig) -> Any:
+    """The algorithm `cfg` names, built from its options; checked against the rollout (before
+    any model loads)."""
+    algo = registry.algorithms.get(cfg.algorithm_name)
+    built = algo(cfg.algorithm) if registry.algorithms.spec(cfg.algorithm_name).config else algo()
+    needs = getattr(built, "min_group_size", 1)
+    if cfg.rollout.group_size < needs:
+        raise ValueError(f"--rollout.group-size {cfg.rollout.group_size}: {cfg.algorithm_name} "
+                         f"scores a row against the rest of its group, so it needs groups of "
+                         f"{needs} or more")
+    return built
+
+
+def run_name(cfg: RLConfig) -> str:
+    """`<task>_<algorithm>`, the run folder's name: the task is the workflow when it is not
+    the generic rlvr, else the dataset (gsm8k by default; a reasoning-gym task; a file's or a
+    Hub dataset's name)."""
+    if cfg.workflow != "rlvr":
+        task = cfg.workflow
+    elif cfg.dataset is None:
+        task = "gsm8k"
+    elif reasoning_gym.is_spec(cfg.dataset):
+        task = cfg.dataset.split(":", 1)[1].split("?", 1)[0]
+    else:
+        task = Path(cfg.dataset.split(":", 1)[0]).stem
+    return re.sub(r"[^\w.-]+", "_", f"{task}_{cfg.algorithm_name}")
 
 
 def load_data(cfg: RLConfig, model: str, rank: int) -> tuple[list[dict], list[dict], str]:
@@ -122,7 +194,7 @@ def check_model(cfg: RLConfig, model: str) -> None:
 
 def workflow_config(cfg: RLConfig) -> Any:
     """The workflow's config from --workflow-config / --reward (names checked now)."""
-    spec = registry.workflows.get(cfg.workflow)
+    spec = registry.workflows.spec(cfg.workflow)
     if spec.config is None:
         if cfg.workflow_config or cfg.reward:
             raise ValueError(f"workflow {cfg.workflow!r} takes no config: drop --workflow-config "
@@ -198,30 +270,22 @@ def halt(batch) -> str | None:
 
 
 def evaluate(cfg: RLConfig, scheduler: RolloutScheduler, rows: list[dict]) -> dict[str, float]:
-    """Greedy pass@1 on the eval rows: strict and lenient accuracy (with the strict one's 95%
-    Wilson interval), format, mean workflow reward and response length."""
+    """Greedy pass@1 on the eval rows: the mean reward, response length and each of the task's
+    metrics (`Episode.metrics`) as eval/<name>, with a 95% Wilson interval for a 0/1 metric."""
     if not rows:
         return {}
     greedy = attrs.evolve(cfg.sampling, temperature=0.0)
-    groups = scheduler.rollout_batch(rows, sampling=greedy)
-    grade = grader(cfg)
-    totals: dict[str, float] = {}
-    tokens = scored = 0.0
-    for row, episodes in zip(rows, groups):
-        for episode in episodes:
-            model_tokens = [t for t, m in zip(episode.token_ids, episode.loss_mask) if m]
-            text = scheduler.tokenizer.decode(model_tokens, skip_special_tokens=True)
-            reference = row.get(cfg.answer_field)
-            for key, value in (grade(text, reference) if reference is not None else {}).items():
-                totals[key] = totals.get(key, 0.0) + value
-            scored += episode.reward
-            tokens += len(model_tokens)
-    n = len(rows)
-    out = {f"eval/{key}": value / n for key, value in totals.items()}
-    if "accuracy" in totals:
-        low, high = wilson_interval(round(totals["accuracy"]), n)
-        out.update({"eval/accuracy_ci_low": low, "eval/accuracy_ci_high": high})
-    return {**out, "eval/reward": scored / n, "eval/response_length": tokens / n}
+    episodes = [ep for group in scheduler.rollout_batch(rows, sampling=greedy) for ep in group]
+    n = len(rows)  # a row whose episode kept failing counts as a 0
+    out = {"eval/reward": sum(ep.reward for ep in episodes) / n,
+           "eval/response_length": sum(sum(ep.loss_mask) for ep in episodes) / n}
+    for name in sorted({name for ep in episodes for name in ep.metrics}):
+        values = [float(ep.metrics.get(name, 0.0)) for ep in episodes]
+        out[f"eval/{name}"] = sum(values) / n
+        if all(value in (0.0, 1.0) for value in values):
+            low, high = wilson_interval(round(sum(values)), n)
+            out.update({f"eval/{name}_ci_low": low, f"eval/{name}_ci_high": high})
+    return out
 
 
 def wilson_interval(successes: int, n: int, z: float = 1.959963984540054) -> tuple[float, float]:
@@ -235,13 +299,8 @@ def wilson_interval(successes: int, n: int, z: float = 1.959963984540054) -> tup
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def grader(cfg: RLConfig) -> Callable[[str, Any], dict[str, float]]:
-    """`grade(completion, reference)` of the run's data: reasoning-gym's or GSM8K's."""
-    return reasoning_gym_reward.grade if reasoning_gym.is_spec(cfg.dataset) else gsm8k.grade
-
-
 def batch_metrics(cfg: RLConfig, batch, scheduler: RolloutScheduler) -> dict[str, Any]:
-    """Reward, accuracy, format, response length and staleness of a trained batch."""
+    """Reward, the task's metrics, response length and staleness of a trained batch."""
     rewards = batch["rewards"].float()
     lengths = batch["loss_mask"].sum(-1).float()
     flat = flat_groups(rewards, batch["group_ids"])
@@ -255,14 +314,11 @@ def batch_metrics(cfg: RLConfig, batch, scheduler: RolloutScheduler) -> dict[str
            # completions cut off by max_new_tokens: their reward judges an unfinished answer
            "response_length/clip_fraction":
                (lengths >= cfg.sampling.max_new_tokens).float().mean().item()}
-    grade = grader(cfg)
-    references = [scheduler.dataset[i].get(cfg.answer_field) for i in batch["sample_ids"].tolist()]
-    grades = [grade(text, reference) if reference is not None else {}
-              for reference, text in zip(references, _completions(batch, scheduler))]
-    for key in ("accuracy", "accuracy_lenient", "format", "work_shown"):
-        values = [g[key] for g in grades if key in g]
-        if values:
-            out[key] = sum(values) / len(values)
+    for name, values in batch["metrics"].items():  # the task's numbers (Episode.metrics)
+        reported = values[~values.isnan()]
+        if reported.numel():
+            out[name] = reported.mean().item()
+    out["task_metrics"] = sorted(batch["metrics"].keys())  # the panel shows these
     out["sample_ids"] = sorted(set(batch["sample_ids"].tolist()))  # for exact-resume checks
     out["memory/peak_rss_gb"] = peak_rss_gb()
     lags = batch["policy_version"][:, None] - batch["versions"]
@@ -278,11 +334,13 @@ def component_stats(**components: Any) -> dict[str, float]:
 
 def samples(cfg: RLConfig, batch, scheduler: RolloutScheduler) -> list[dict[str, Any]]:
     """The first `samples_per_step` episodes of a batch: the prompt, the completion (the
-    model's tokens, every turn), the reward, and every segment in order, environment and tool
-    turns included, each marked whether it was trained on."""
+    model's tokens, every turn), the reward, every segment in order (environment and tool
+    turns included, each marked whether it was trained on), the task's metrics and the info."""
     shown = min(cfg.samples_per_step, batch.batch_size[0])
     completions = _completions(batch[:shown], scheduler)
     tok = scheduler.tokenizer
+    infos = batch["info"]  # tensordict gives non-tensor entries as a list or a NonTensorStack
+    infos = list(infos.tolist() if hasattr(infos, "tolist") else infos)
     out = []
     for i in range(shown):
         k = int(batch["attention_mask"][i].sum())
@@ -291,7 +349,10 @@ def samples(cfg: RLConfig, batch, scheduler: RolloutScheduler) -> list[dict[str,
                     for trained, run in itertools.groupby(tokens, key=lambda pair: pair[1])]
         out.append({"prompt": "" if segments[0]["trained"] else segments[0]["text"],
                     "completion": completions[i], "reward": batch["rewards"][i].item(),
-                    "segments": segments})
+                    "segments": segments,
+                    "metrics": {name: value[i].item() for name, value in batch["metrics"].items()
+                                if not value[i].isnan()},
+                    "info": infos[i]})
     return out
 
 

@@ -1,5 +1,9 @@
 """One `Registry` type, five instances: everything selectable by name is looked up here.
 
+`get(name)` gives what was registered (the function or class you can call or construct);
+`spec(name)` gives its spec (`RewardSpec`, `WorkflowSpec`, `AlgorithmSpec`: the object plus what
+its decorator declared).
+
 Names come from three places, in this order:
 1. entry points of installed distributions (the project's own built-ins included), loaded one
    at a time when asked for;
@@ -127,7 +131,14 @@ class Registry:
         return name in self._local or name in self.entry_points()
 
     def get(self, name: str) -> Any:
-        """The object registered as `name`; imports only what that name needs."""
+        """What was registered as `name`, as its author wrote it: the decorated function or
+        class (call it, construct it), or the plain object. Imports only what `name` needs."""
+        return _target(self.spec(name))
+
+    def spec(self, name: str) -> Any:
+        """`name`'s spec: the decorated object with what its decorator declared (a reward's
+        timeout, default, range; a workflow's or algorithm's config class). Registries whose
+        decorators declare nothing (generation pools, loggers) return the object itself."""
         with self._lock:
             if name in self._loaded:
                 return self._loaded[name]

@@ -218,7 +218,16 @@ class RunDir:
     def _append(self, name: str, records: list[dict[str, Any]]) -> None:
         with open(self.path / name, "a") as f:
             for record in records:
-                f.write(json.dumps(record, default=float) + "\n")
+                f.write(json.dumps(record, default=_jsonable) + "\n")
+
+
+def _jsonable(value: Any) -> float | str:
+    """A tensor or numpy number as a float; anything else JSON cannot hold (an episode's info
+    may carry any object) as its str, rather than failing the run at a log line."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return str(value)
 
 
 def mark_complete(path: Path) -> None:
@@ -295,7 +304,10 @@ class StopRequest:
 
 class LiveDisplay:
     """A rich live panel on a terminal (step, chosen metrics, ETA, one sample); one log line per
-    step elsewhere (CI logs, files). `columns` maps metric keys to labels."""
+    step elsewhere (CI logs, files). `columns` maps metric keys to labels; a key ending in
+    ``task_metrics`` stands for one column per name the batch's metrics list under
+    "task_metrics" (the workflow's own numbers): ``eval/task_metrics`` with label ``eval `` shows
+    ``eval/accuracy`` as "eval accuracy"."""
 
     def __init__(self, total_steps: int, start_step: int, columns: dict[str, str],
                  enabled: bool = True):
@@ -304,6 +316,7 @@ class LiveDisplay:
         self.console = Console()
         self.total, self.start = total_steps, start_step
         self.columns = columns
+        self.task: list[str] = []
         self.enabled = enabled
         self.began = time.monotonic()
         self._live = None
@@ -331,7 +344,15 @@ class LiveDisplay:
         done = step - self.start
         elapsed = time.monotonic() - self.began
         eta = elapsed / max(done, 1) * (self.total - step)
-        values = {label: metrics.get(key) for key, label in self.columns.items()}
+        self.task = metrics.get("task_metrics", self.task)
+        labels = {}
+        for key, label in self.columns.items():
+            if key.endswith("task_metrics"):
+                prefix = key.removesuffix("task_metrics")
+                labels.update({prefix + name: label + name for name in self.task})
+            else:
+                labels[key] = label
+        values = {label: metrics.get(key) for key, label in labels.items()}
         if self._live is None:
             shown = " ".join(f"{label} {_fmt(v)}" for label, v in values.items() if v is not None)
             self.console.print(f"step {step}/{self.total} {shown} eta {eta / 60:.1f} min",

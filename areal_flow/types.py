@@ -256,6 +256,11 @@ class Episode:
     segments: list[Segment] = attrs.field(factory=list)
     reward: float | None = None
     info: dict[str, Any] = attrs.field(factory=dict)
+    """Free-form facts about the episode (JSON-able), written to samples.jsonl with it."""
+    metrics: dict[str, float] = attrs.field(factory=dict)
+    """The task's own numbers (e.g. accuracy), averaged over each batch into metrics.jsonl and the
+    live panel, and over eval episodes as eval/<name>. A reward's `metrics` function fills it
+    through `ctx.reward`; a workflow may set more."""
     temperature: float | None = None
     truncated: bool = False
     """The last model turn stopped at its token budget (finish reason `length`): the episode did
@@ -372,7 +377,8 @@ class Algorithm(Protocol):
     differentiates `ModelOutput.entropy`; otherwise entropy comes without gradient, for stats)
     and ``skips_zero_advantage_rows`` (a row whose ``advantages`` are all 0 contributes nothing
     to the gradient, so the runtime skips its forward and backward, still counting it in the
-    normalizer).
+    normalizer). The recipes read ``min_group_size`` (absent means 1): an algorithm that scores
+    a row against the rest of its group refuses smaller `--rollout.group-size` at start.
     """
 
     roles: tuple[Role, ...]
@@ -407,6 +413,9 @@ class RewardSpec:
     """Score given when the reward raises, crashes or times out."""
     range: tuple[float, float] = attrs.field(default=(0.0, 1.0), converter=tuple)
     """Inclusive (low, high) bounds every score must lie in."""
+    metrics: Callable[..., dict[str, float]] | None = None
+    """``metrics(completion, **kwargs) -> {name: number}``, called like the reward after it scored
+    (in the rollout process: cheap checks only); the numbers go to the episode's `metrics`."""
 
     def __attrs_post_init__(self) -> None:
         lo, hi = self.range

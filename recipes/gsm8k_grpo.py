@@ -1,26 +1,29 @@
-"""GRPO on GSM8K: asynchronous rollouts against a generation pool, FSDP2 training, weight sync.
+"""GRPO on GSM8K, or any registered algorithm on any workflow, reward and dataset:
+asynchronous rollouts against a generation pool, FSDP2 training, weight sync.
 
     python recipes/gsm8k_grpo.py                      # offline CPU default (packaged model + data)
     python recipes/gsm8k_grpo.py --help               # every option
-    torchrun --nproc-per-node 8 recipes/gsm8k_grpo.py --model Qwen/Qwen2.5-1.5B-Instruct \\
+    python recipes/gsm8k_grpo.py --algorithm ppo      # any registered algorithm (`areal-flow plugins`)
+    python recipes/gsm8k_grpo.py --dataset rows.jsonl --workflow my_task.solve \
+        --algorithm my_task.rloo --algorithm.clip-eps 0.2    # a plugin's task, end to end
+    torchrun --nproc-per-node 8 recipes/gsm8k_grpo.py --model Qwen/Qwen2.5-1.5B-Instruct \
         --dataset openai/gsm8k --inference.backend sglang --inference.server-gpus 8 9
 
 The loop below is the whole algorithm: rollout → role forwards and advantages → update → weight
 sync → `scheduler.set_version` → eval / checkpoint. Rank 0 drives the rollout; every rank trains.
+The panel and metrics.jsonl show the task's own numbers (`Episode.metrics`, e.g. GSM8K's
+accuracy); run folders are runs/<task>_<algorithm>-<time>.
 """
 
 from __future__ import annotations
 
 import time
-from typing import ClassVar
-
 import attrs
 import torch.distributed as dist
-import tyro
 from transformers import AutoTokenizer
 
 from areal_flow import gsm8k_rl, registry
-from areal_flow.algorithms.grpo import GRPO, GRPOConfig
+from areal_flow.algorithms.grpo import GRPOConfig
 from areal_flow.config import PolicyLossConfig
 from areal_flow.data import offline
 from areal_flow.reward.runner import RewardRunner
@@ -35,48 +38,40 @@ from areal_flow.runtime.engine import TrainEngine
 class Config(gsm8k_rl.RLConfig):
     """GRPO on GSM8K. Defaults run offline on a 2-core CPU in about 10 minutes."""
 
-    NAME: ClassVar[str] = "gsm8k_grpo"  # run folders are runs/<NAME>-<time>
-
     # Skip the forward pass that recomputes pi_prox. With one optimizer step per batch, stale
     # tokens get pi_prox = pi_theta before the step (exact); tokens of the current version get
     # the engine's behavior logprobs (the same weights, but computed by the engine, in bf16 where
     # that is the default, so the ratio carries that rounding and may clip). Approximate with --train.ppo-minibatches > 1.
     algorithm: GRPOConfig = GRPOConfig(loss=PolicyLossConfig(recompute_proximal=False))
 
-    def __attrs_post_init__(self) -> None:
-        super().__attrs_post_init__()
-        if self.rollout.group_size < 2:
-            raise ValueError(f"--rollout.group-size {self.rollout.group_size}: GRPO scores a row "
-                             "against the rest of its group, so a group of one never learns; "
-                             "use 2 or more")
-
 
 def main(cfg: Config) -> None:
     workflow_config = gsm8k_rl.workflow_config(cfg)  # bad names fail before any work
+    algorithm = gsm8k_rl.algorithm(cfg)  # e.g. GRPO(cfg.algorithm)
     pool_class = registry.generation_pools.get(cfg.inference.backend)
     rank, world, _ = init_distributed()
-    run = RunDir(same_on_all_ranks(cfg.run_dir or RunDir.default_path(cfg.NAME)),
+    run = RunDir(same_on_all_ranks(cfg.run_dir or RunDir.default_path(gsm8k_rl.run_name(cfg))),
                  resume=cfg.resume, keep_checkpoints=cfg.keep_checkpoints)
     dist.barrier()  # every rank has checked the folder before rank 0 writes into it
     model = same_on_all_ranks(
         cfg.model or (str(offline.packaged_smollm2()) if rank == 0 else None))
     train_rows, eval_rows, data_note = gsm8k_rl.load_data(cfg, model, rank)  # before weights load
-    algorithm = GRPO(cfg.algorithm)
     trainer = TrainEngine(model, cfg.train)
     ref = TrainEngine(model, cfg.train, trainable=False) if "ref" in algorithm.roles else None
-    start, extra = run.load_checkpoint(trainer) if cfg.resume else (0, None)
+    critic = TrainEngine(model, cfg.critic, value=True) if "critic" in algorithm.roles else None
+    start, extra = run.load_checkpoint(trainer, critic=critic) if cfg.resume else (0, None)
 
     pool = scheduler = rewards = None
     display = LiveDisplay(cfg.steps, start, enabled=rank == 0, columns={
-        "reward/mean": "reward", "format": "format", "work_shown": "work", "accuracy": "acc",
+        "reward/mean": "reward", "task_metrics": "",  # the task's own numbers, e.g. accuracy
         "reward/flat_group_fraction": "flat groups", "response_length/mean": "length",
-        "eval/accuracy": "eval acc", "eval/accuracy_ci_low": "95% CI low",
-        "eval/accuracy_ci_high": "high", "eval/accuracy_lenient": "lenient",
+        **({"critic/value_loss": "value loss"} if critic else {}),
+        "eval/reward": "eval reward", "eval/task_metrics": "eval ",
         "reward_runner/failure_rate": "reward fails", "tokens_per_second": "tok/s",
         "staleness/mean": "staleness", "seconds/step": "s/step"})
     if rank == 0:
         run.truncate_after(start)
-        display.print(f"[bold]{cfg.NAME}[/] run folder {run.path} · model {model} · "
+        display.print(f"[bold]{gsm8k_rl.run_name(cfg)}[/] run folder {run.path} · model {model} · "
                       f"{world} training rank(s)\n{data_note}")
         run.write_config(cfg)
         run.start_loggers(cfg.logger, cfg, start)
@@ -109,15 +104,17 @@ def main(cfg: Config) -> None:
                 batch = gsm8k_rl.next_batch(scheduler, stop, cfg.rollout.batch_timeout)
                 if (halt := gsm8k_rl.halt(batch)) is not None:
                     if not run.has_checkpoint(step):
-                        run.save_checkpoint(step, trainer, tokenizer_from=model, extra={
-                            "scheduler": scheduler.state_dict() if scheduler else None})
+                        run.save_checkpoint(step, trainer, critic=critic, tokenizer_from=model,
+                                            extra={"scheduler": scheduler.state_dict()
+                                                   if scheduler else None})
                     if halt != gsm8k_rl.STOPPED:
                         raise batch if rank == 0 else RuntimeError(f"rank 0's rollout: {halt}")
                     display.print(f"stopped before step {step + 1}; continue with --resume "
                                   f"--run-dir {run.path}")
                     break
                 rolled = time.perf_counter()
-                stats = trainer.train(batch, algorithm, ref=ref)  # advantages, update
+                # role forwards (critic values, ref logprobs) → advantages → update(s)
+                stats = trainer.train(batch, algorithm, critic=critic, ref=ref)
                 trained = time.perf_counter()
                 sync = trainer.sync_weights(pool, step + 1, folder=weights)
                 if scheduler is not None:
@@ -141,8 +138,9 @@ def main(cfg: Config) -> None:
                     run.log_samples(step + 1, samples)
                     display.update(step + 1, metrics, samples[0]["completion"] if samples else None)
                 if (step + 1) % cfg.save_every == 0 or last or stopping:
-                    run.save_checkpoint(step + 1, trainer, tokenizer_from=model, extra={
-                        "scheduler": scheduler.state_dict() if scheduler else None})
+                    run.save_checkpoint(step + 1, trainer, critic=critic, tokenizer_from=model,
+                                        extra={"scheduler": scheduler.state_dict()
+                                               if scheduler else None})
                 if stopping:
                     display.print(f"stopped after step {step + 1}; continue with --resume "
                                   f"--run-dir {run.path}")
@@ -158,5 +156,5 @@ def main(cfg: Config) -> None:
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Config))
+    main(gsm8k_rl.cli(Config))
     exit_process()  # skips interpreter finalization, which can abort after a good run

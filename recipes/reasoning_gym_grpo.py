@@ -13,11 +13,9 @@ and the strict/lenient grading are in areal_flow/reward/reasoning_gym.py.
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import attrs
-import tyro
 
+from areal_flow import gsm8k_rl
 from areal_flow.config import InferenceConfig, OptimizerConfig, RolloutConfig
 from areal_flow.runtime.engine import TrainConfig
 from areal_flow.runtime.distributed import exit_process
@@ -32,8 +30,6 @@ class Config(GSM8KConfig):
     training problems (one epoch in 50 steps: with 2,000, training would hold nearly all 300
     two-term problems and the disjoint eval set only the harder three-term ones), about 10
     minutes on a 2-core CPU."""
-
-    NAME: ClassVar[str] = "reasoning_gym_grpo"
 
     dataset: str | None = ("reasoning_gym:basic_arithmetic?min_terms=2&max_terms=3&max_digits=1"
                            "&operators=['+','-','*']&allow_parentheses=false"
@@ -53,5 +49,5 @@ class Config(GSM8KConfig):
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Config))
+    main(gsm8k_rl.cli(Config))
     exit_process()  # skips interpreter finalization, which can abort after a good run

@@ -25,8 +25,8 @@ def test_the_registry_resolves_the_installed_plugin(example_plugin_path):
         """
         import inspect, sys
         from areal_flow import rewards, workflows
-        exact = rewards.get("reverse.exact")
-        flow = workflows.get("reverse.single_turn")
+        exact = rewards.spec("reverse.exact")
+        flow = workflows.spec("reverse.single_turn")
         print(exact.fn("olleh\\nmore", word="hello"), exact.timeout, exact.range)
         print(inspect.iscoroutinefunction(flow.fn), flow.fn.__module__, "torch" in sys.modules)
         """,

@@ -40,24 +40,35 @@ def tiny_args(model: Path, data: Path, run_dir: Path, *extra: str, fp32: bool = 
 ROWS = 4  # --rollout.batch-size 2 x --rollout.group-size 2
 
 
-def check_run_folder(run_dir: Path, steps: int, *, rows_trained: bool = False) -> None:
+GSM8K_METRICS = ("accuracy", "accuracy_lenient", "format", "work_shown")
+"""The gsm8k reward's `metrics`: the panel's numbers when the run's reward is gsm8k."""
+
+
+def check_run_folder(run_dir: Path, steps: int, *, rows_trained: bool = False,
+                     task: tuple[str, ...] = GSM8K_METRICS) -> None:
     """Every step's metrics are there and finite. The policy-loss statistics exist where a row
     was trained: a step whose rows all had zero advantage (the tiny model rarely earns a GSM8K
-    reward) skips them all and has none; `rows_trained` says every step must have them."""
+    reward) skips them all and has none; `rows_trained` says every step must have them. The
+    reward's own metrics (`task`, GSM8K's by default), and no others, are there, each with its
+    eval/ counterpart."""
     lines = metrics(run_dir)
     trained = [m for m in lines if m["step"] > 0]
     assert [m["step"] for m in trained] == list(range(1, steps + 1))
     for m in trained:
         for key in ("reward/mean", "loss", "grad_norm", "tokens_per_second", "seconds/train",
-                    "sync/send_seconds", "eval/accuracy", "response_length/mean",
-                    "staleness/mean", "format", "accuracy", "train/skipped_rows",
-                    "memory/peak_rss_gb", "reward/flat_group_fraction", "accuracy_lenient",
-                    "response_length/clip_fraction", "eval/accuracy_lenient",
-                    "eval/accuracy_ci_low", "eval/accuracy_ci_high"):
+                    "sync/send_seconds", "eval/reward", "eval/response_length",
+                    "response_length/mean", "staleness/mean", "train/skipped_rows",
+                    "memory/peak_rss_gb", "reward/flat_group_fraction",
+                    "response_length/clip_fraction"):
             assert key in m, key
-        assert m["skipped_step"] == 0 and 0 < m["memory/peak_rss_gb"] < 20
-        assert m["accuracy"] <= m["accuracy_lenient"]
-        assert m["eval/accuracy_ci_low"] <= m["eval/accuracy"] <= m["eval/accuracy_ci_high"]
+        expected = [*task, *(f"eval/{name}" for name in task),
+                    *(f"eval/{name}_ci_{end}" for name in task for end in ("low", "high"))]
+        assert sorted(k for k in m if k.split("/")[-1].split("_ci_")[0] in
+                      {*GSM8K_METRICS, *task}) == sorted(expected)
+        assert m["task_metrics"] == sorted(task)
+        if task:
+            assert m["accuracy"] <= m["accuracy_lenient"]
+            assert m["eval/accuracy_ci_low"] <= m["eval/accuracy"] <= m["eval/accuracy_ci_high"]
         if m["train/skipped_rows"] < ROWS or rows_trained:
             for key in ("clip_fraction", "importance_weight_mean", "train/mb_fill"):
                 assert key in m, key
@@ -80,7 +91,7 @@ def one_process(tiny_model_dir, gsm8k_file, tmp_path_factory):
 
 def test_one_process(one_process):
     run_dir, result = one_process
-    check_run_folder(run_dir, 2, rows_trained=True)
+    check_run_folder(run_dir, 2, rows_trained=True, task=())
     assert "done:" in result.stdout
 
 
@@ -90,7 +101,7 @@ def test_two_torchrun_ranks_give_the_one_process_first_step_loss(one_process, ti
                 "--standalone")
     run_recipe(RECIPE, tiny_args(tiny_model_dir, gsm8k_file, tmp_path / "run", *SAME_FIRST_BATCH),
                launcher=torchrun)
-    check_run_folder(tmp_path / "run", 2, rows_trained=True)
+    check_run_folder(tmp_path / "run", 2, rows_trained=True, task=())
     one, two = metrics(one_process[0])[1], metrics(tmp_path / "run")[1]
     # rank 0 rolls out the same first batch in both worlds; only the training is split
     assert (one["sample_ids"], one["reward/mean"]) == (two["sample_ids"], two["reward/mean"])
@@ -105,7 +116,7 @@ def test_bf16_training_and_generation_run_end_to_end(tiny_model_dir, gsm8k_file,
     """The recipes' default where bf16 is fast (`config.fast_bf16`), whatever this machine is."""
     run_recipe(RECIPE, tiny_args(tiny_model_dir, gsm8k_file, tmp_path / "run", *SAME_FIRST_BATCH,
                                  "--train.bf16", "--inference.dtype", "bfloat16", fp32=False))
-    check_run_folder(tmp_path / "run", 2, rows_trained=True)
+    check_run_folder(tmp_path / "run", 2, rows_trained=True, task=())
     config = (tmp_path / "run" / "config.yaml").read_text()
     assert "bf16: true" in config and "dtype: bfloat16" in config
 
@@ -234,7 +245,7 @@ def test_the_reasoning_gym_recipe_trains_on_a_task_with_its_verifier(tiny_model_
                      "3")
     args[args.index("--dataset") + 1] = "reasoning_gym:chain_sum?max_terms=2&size=50"
     result = run_recipe("reasoning_gym_grpo.py", args)
-    check_run_folder(tmp_path / "run", 2)
+    check_run_folder(tmp_path / "run", 2, task=("accuracy", "accuracy_lenient", "format"))
     assert "50 train rows (seed 0), 4 distinct held-out eval rows (seed 50)" in result.stdout
     prompt = json.loads((tmp_path / "run" / "samples.jsonl").read_text().splitlines()[0])["prompt"]
     assert "arithmetic problem" in prompt and "Reply with only the final" in prompt
@@ -274,7 +285,9 @@ def test_bad_input_is_named(tiny_model_dir, gsm8k_file, tmp_path, extra, message
     (["--workflow-config", "{tmp}/missing.yaml"], "missing.yaml: no such file"),
     (["--sampling.max-new-tokens", "100000"], "leaves no room for a prompt"),
     (["--train.ppo-minibatches", "3"], "--train.ppo-minibatches 3 is more than the 2 groups"),
-    (["--rollout.group-size", "1"], "--rollout.group-size 1: GRPO"),
+    (["--rollout.group-size", "1"], "--rollout.group-size 1: grpo scores a row against the rest"),
+    (["--algorithm", "grpp"], "--algorithm grpp: unknown algorithm 'grpp'; known: grpo, ppo"),
+    (["--algorithm", "ppo", "--algorithm.kl-coeff", "0.1"], "--algorithm.kl-coef"),
 ])
 def test_bad_input_is_refused_before_any_weights_load(tiny_model_dir, gsm8k_file, tmp_path,
                                                       extra, message):

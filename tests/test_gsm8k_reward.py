@@ -30,7 +30,7 @@ def test_gsm8k_is_a_builtin_announced_through_entry_points():
     assert [c.strip() for c in row.strip("│ ").split("│")] == [
         "reward", "gsm8k", "areal-flow 0.1.0", "areal_flow.reward.gsm8k:gsm8k"
     ]
-    assert rewards.get("gsm8k").fn is gsm8k
+    assert rewards.get("gsm8k") is gsm8k
 
 
 def test_gsm8k_passes_the_reward_contract():
@@ -106,7 +106,7 @@ def test_the_recipes_default_reward_pays_only_for_a_right_answer_after_shown_wor
     from areal_flow.gsm8k_rl import RLConfig
 
     config = gsm8k_rl.workflow_config(RLConfig())
-    score = registry.rewards.get(config.reward).fn
+    score = registry.rewards.get(config.reward)
     reference = "She has 8 bags of 9. 8 * 9 = 72. #### 72"
     for unearned in ("#### 71", "#### 72", "72", "8 * 9 = 71. #### 71"):
         assert score(unearned, answer=reference, **config.reward_kwargs) == 0.0, unearned

@@ -90,8 +90,8 @@ def test_the_plugins_command_lists_the_builtin_algorithms():
 
 
 def test_builtin_algorithms_are_registered_with_their_configs():
-    assert (algorithms.get("grpo").cls, algorithms.get("grpo").config) == (GRPO, GRPOConfig)
-    assert (algorithms.get("ppo").cls, algorithms.get("ppo").config) == (PPO, PPOConfig)
+    assert (algorithms.get("grpo"), algorithms.spec("grpo").config) == (GRPO, GRPOConfig)
+    assert (algorithms.get("ppo"), algorithms.spec("ppo").config) == (PPO, PPOConfig)
 
 
 @pytest.mark.parametrize("eta", [0, 2])

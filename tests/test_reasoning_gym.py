@@ -33,7 +33,7 @@ def task_rows(request):
 
 
 def test_the_reward_is_registered_through_its_entry_point():
-    assert registry.rewards.get("reasoning_gym").fn is reasoning_gym
+    assert registry.rewards.get("reasoning_gym") is reasoning_gym
 
 
 def test_each_row_is_a_question_and_the_entry_its_verifier_scores(task_rows):
@@ -95,12 +95,12 @@ ROWS_FOR_PROPERTY = offline.train_eval_rows("reasoning_gym:leg_counting?size=10"
     offline.train_eval_rows(CHAIN_SUM, 10)[0][:10]
 
 
-def test_a_reasoning_gym_dataset_brings_its_reward_and_grader_to_the_recipes():
+def test_a_reasoning_gym_dataset_brings_its_reward_and_its_panel_metrics_to_the_recipes():
     config = RLConfig(dataset=CHAIN_SUM)
     assert gsm8k_rl.workflow_config(config).reward == "reasoning_gym"
-    assert gsm8k_rl.grader(config) is grade
+    assert registry.rewards.spec("reasoning_gym").metrics is grade
     assert gsm8k_rl.workflow_config(RLConfig()).reward == "gsm8k"
-    assert gsm8k_rl.grader(RLConfig()) is gsm8k.grade
+    assert registry.rewards.spec("gsm8k").metrics is gsm8k.grade
 
 
 def test_eval_rows_are_distinct_held_out_problems_from_another_seed():

@@ -45,20 +45,29 @@ def undecorated(completion: str) -> float:
 
 def test_decorators_return_the_object_unchanged_and_register_its_spec():
     assert half("anything") == 0.5  # still an ordinary function
-    spec = rewards.get("test_registry.half")
+    spec = rewards.spec("test_registry.half")
     assert spec == RewardSpec(
         name="test_registry.half", fn=half, timeout=3.0, default=0.5, range=(0.0, 2.0)
     )
-    assert workflows.get("test_registry.flow") == WorkflowSpec(name="test_registry.flow", fn=flow)
-    assert algorithms.get("test_registry.algo") == AlgorithmSpec(
+    assert workflows.spec("test_registry.flow") == WorkflowSpec(name="test_registry.flow", fn=flow)
+    assert algorithms.spec("test_registry.algo") == AlgorithmSpec(
         name="test_registry.algo", cls=ToyAlgorithm, config=ToyConfig
     )
     assert "test_registry.half" in rewards.names()
 
 
+def test_get_gives_the_registered_object_itself_and_spec_its_declarations():
+    assert rewards.get("test_registry.half") is half
+    assert workflows.get("test_registry.flow") is flow
+    assert algorithms.get("test_registry.algo") is ToyAlgorithm
+    assert algorithms.get(f"{__name__}:ToyAlgorithm") is ToyAlgorithm  # by path: the same rule
+    assert rewards.get(f"{__name__}:undecorated") is undecorated
+    assert algorithms.spec("test_registry.algo").config is ToyConfig
+
+
 def test_unknown_name_lists_known_names_and_the_closest_match():
     with pytest.raises(UnknownNameError) as err:
-        rewards.get("test_registry.hal")
+        rewards.spec("test_registry.hal")
     msg = str(err.value)
     assert "unknown reward 'test_registry.hal'" in msg
     assert "test_registry.half" in msg.split("known:")[1]
@@ -66,15 +75,15 @@ def test_unknown_name_lists_known_names_and_the_closest_match():
 
 
 def test_dotted_path_fallback_resolves_decorated_and_plain_functions():
-    assert rewards.get(f"{__name__}:half") is rewards.get("test_registry.half")
-    plain = rewards.get(f"{__name__}:undecorated")
+    assert rewards.spec(f"{__name__}:half") is rewards.spec("test_registry.half")
+    plain = rewards.spec(f"{__name__}:undecorated")
     assert plain == RewardSpec(name=f"{__name__}:undecorated", fn=undecorated)
     with pytest.raises(UnknownNameError, match="could not be imported"):
-        rewards.get(f"{__name__}:missing")
+        rewards.spec(f"{__name__}:missing")
 
 
 def test_a_subclass_does_not_inherit_its_parents_registration():
-    spec = algorithms.get(f"{__name__}:ToySubclass")
+    spec = algorithms.spec(f"{__name__}:ToySubclass")
     assert spec.cls is ToySubclass and spec.config is None
 
 
@@ -144,7 +153,7 @@ def test_lookup_imports_only_the_entry_point_asked_for(tmp_path):
         from areal_flow import rewards
         assert "plugin_a" not in sys.modules and "plugin_b" not in sys.modules
         assert {"task.other", "task.score"} <= set(rewards.names()), rewards.names()
-        spec = rewards.get("task.score")
+        spec = rewards.spec("task.score")
         assert spec.fn("x") == 1.0 and spec.range == (0.0, 1.0)
         print(sorted(m for m in ("plugin_a", "plugin_b", "torch") if m in sys.modules))
         """,
@@ -169,10 +178,10 @@ def test_one_name_from_two_distributions_is_an_error_naming_both(tmp_path):
         from areal_flow import rewards
         from areal_flow.registry import DuplicateNameError
         try:
-            rewards.get("task.score")
+            rewards.spec("task.score")
         except DuplicateNameError as exc:
             print(exc)
-        print(rewards.get("task.other").name)  # the other names still resolve
+        print(rewards.spec("task.other").name)  # the other names still resolve
         """,
         first,
         second,
@@ -195,10 +204,10 @@ def test_a_broken_plugin_is_named_with_its_distribution_and_breaks_nothing_else(
         from areal_flow import rewards
         from areal_flow.registry import PluginLoadError
         try:
-            rewards.get("task.broken")
+            rewards.spec("task.broken")
         except PluginLoadError as exc:
             print(exc)
-        print(rewards.get("task.other").fn("x"))
+        print(rewards.spec("task.other").fn("x"))
         """,
         site,
     )
@@ -224,7 +233,7 @@ def test_entry_point_and_decorator_names_must_agree(tmp_path):
         from areal_flow import rewards
         from areal_flow.registry import RegistryError
         try:
-            rewards.get("task.alias")
+            rewards.spec("task.alias")
         except RegistryError as exc:
             print(exc)
         """,
@@ -241,7 +250,7 @@ def test_an_entry_point_may_name_an_undecorated_function(tmp_path):
     out = run_python(
         """
         from areal_flow import rewards
-        spec = rewards.get("task.plain")
+        spec = rewards.spec("task.plain")
         print(spec.name, spec.timeout, spec.default, spec.range)
         """,
         site,
@@ -262,7 +271,7 @@ def test_in_process_registration_that_shadows_a_plugin_is_an_error(tmp_path):
         def mine(completion):
             return 0.0
         try:
-            rewards.get("task.score")
+            rewards.spec("task.score")
         except DuplicateNameError as exc:
             print(exc)
         """,

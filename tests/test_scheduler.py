@@ -98,7 +98,7 @@ async def rejects_everything(ctx, sample):
 
 def test_a_workflow_returning_none_every_time_is_named_as_the_cause():
     s = scheduler([{"id": 0}], batch_size=1, group_size=2)
-    s.workflow = workflow_specs.get("tests.rejects_everything")
+    s.workflow = workflow_specs.spec("tests.rejects_everything")
     with s, pytest.raises(RolloutError, match=r"workflow 'tests.rejects_everything' returned "
                                               r"None \(expected an Episode"):
         s.prepare_batch(timeout=60)

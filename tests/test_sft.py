@@ -71,7 +71,7 @@ def test_the_loss_is_the_mean_nll_of_the_target_tokens():
 
 
 def test_sft_is_registered_and_needs_no_forward_before_the_update():
-    spec = algorithms.get("sft")
+    spec = algorithms.spec("sft")
     assert (spec.cls, spec.config) == (SFT, SFTConfig)
     assert SFT().roles == ()
 

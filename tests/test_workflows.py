@@ -46,7 +46,7 @@ def run(name, tokenizer, runner, replies, sample, config=None, max_prompt_tokens
     ctx = RolloutContext(pool=pool, tokenizer=tokenizer, score=runner.score,
                          sampling=SamplingParams(max_new_tokens=32), episode_id="0/0/0",
                          config=config, max_prompt_tokens=max_prompt_tokens)
-    return asyncio.run(workflows.get(name).fn(ctx, sample)), pool
+    return asyncio.run(workflows.get(name)(ctx, sample)), pool
 
 
 SAMPLE = {"question": "What is 3 + 4?", "answer": "3 + 4 = 7\n#### 7"}

@@ -51,6 +51,8 @@ class GRPOConfig:
 
 @algorithm("grpo", config=GRPOConfig)
 class GRPO:
+    min_group_size = 2  # a row is scored against the rest of its group: one alone never learns
+
     def __init__(self, config: GRPOConfig | None = None):
         self.config = config or GRPOConfig()
         self.roles = (("actor",) if self.config.loss.recompute_proximal else ()) + \

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
-from tensordict import TensorDict
+from tensordict import NonTensorStack, TensorDict
 
 from areal_flow.types import Episode
 
@@ -16,7 +17,8 @@ def collate_groups(groups: Sequence[Sequence[Episode]], pad_token_id: int = 0) -
     Keys: ``input_ids``, ``attention_mask``, ``loss_mask`` (model tokens only), ``logprobs``
     (behavior; 0 elsewhere), ``versions`` (-1 on prompt, environment and padding tokens),
     ``rewards``, ``group_ids`` (index of the group in `groups`), ``temperature``, ``truncated``
-    (the episode's last model turn hit its token budget).
+    (the episode's last model turn hit its token budget), ``metrics`` (each episode metric per
+    row, NaN where an episode has none) and ``info`` (the episodes' info dicts, not tensors).
     """
     rows = [(gid, ep) for gid, group in enumerate(groups) for ep in group]
     if not rows:
@@ -37,8 +39,15 @@ def collate_groups(groups: Sequence[Sequence[Episode]], pad_token_id: int = 0) -
         loss_mask[i, :k] = torch.tensor(ep.loss_mask, dtype=torch.bool)
         logprobs[i, :k] = torch.tensor(ep.logprobs, dtype=torch.float32)
         versions[i, :k] = torch.tensor(ep.versions, dtype=torch.long)
+    names = sorted({name for _, ep in rows for name in ep.metrics})
+    metrics = {name: torch.tensor([float(ep.metrics.get(name, math.nan)) for _, ep in rows])
+               for name in names}
     return TensorDict(
         {
+            # the task's numbers per row, NaN where an episode did not report one
+            "metrics": TensorDict(metrics, batch_size=[n]),
+            # free-form, for samples.jsonl; train() leaves it on rank 0
+            "info": NonTensorStack(*(ep.info for _, ep in rows)),
             "input_ids": input_ids,
             "attention_mask": attention_mask,
             "loss_mask": loss_mask,

@@ -17,16 +17,19 @@ def reward(
     timeout: float = 10.0,
     default: float = 0.0,
     range: tuple[float, float] = (0.0, 1.0),  # noqa: A002 - the contract's own word
+    metrics: Callable[..., dict[str, float]] | None = None,
 ) -> Callable[[F], F]:
     """Register ``fn(completion: str, **kwargs) -> float`` (sync or async) as reward `name`.
 
     It runs in a reward worker process (an async one under ``asyncio.run`` there), so it must
     be defined at the top level of a module. A call that raises, crashes or runs past `timeout`
-    seconds scores `default`; every score must lie within `range`. The function is returned
-    unchanged.
+    seconds scores `default`; every score must lie within `range`. `metrics`, called with the
+    reward's arguments, names the task's own numbers (accuracy, format, ...) that the training
+    panel and metrics.jsonl show for the episodes it scored. The function is returned unchanged.
     """
     def decorate(fn: F) -> F:
-        spec = RewardSpec(name=name, fn=fn, timeout=timeout, default=default, range=range)
+        spec = RewardSpec(name=name, fn=fn, timeout=timeout, default=default, range=range,
+                          metrics=metrics)
         return rewards.register(name, spec)
 
     return decorate

@@ -54,10 +54,11 @@ def extract_answer(text: str) -> Decimal | None:
     return _to_decimal(last) if last else None
 
 
-def grade(completion: str, answer: str) -> dict[str, float]:
+def grade(completion: str, answer: str, **_: object) -> dict[str, float]:
     """Strict ("accuracy": the final number read by the rules above is right), lenient
     ("accuracy_lenient": the right number appears anywhere), "format" (``#### N`` used) and
-    "work_shown" (a calculation comes before the final answer, see `shows_work`)."""
+    "work_shown" (a calculation comes before the final answer, see `shows_work`). The reward's
+    `metrics`: what the training panel shows (it takes, and ignores, the reward's options)."""
     expected = extract_answer(str(answer))
     anywhere = {_to_decimal(m) for m in _NUMBER.finditer(completion)}
     return {"accuracy": float(expected is not None and extract_answer(completion) == expected),
@@ -78,7 +79,7 @@ def shows_work(text: str) -> bool:
     return _CALCULATION.search(before) is not None
 
 
-@reward("gsm8k", timeout=5.0, default=0.0, range=(0.0, 1.0))
+@reward("gsm8k", timeout=5.0, default=0.0, range=(0.0, 1.0), metrics=grade)
 def gsm8k(completion: str, *, answer: str, format_weight: float = 0.0,
           require_work: bool = False) -> float:
     """1 for the right final number, else 0; with `require_work`, the right number counts only

@@ -59,19 +59,21 @@ def _score(answer: str | None, entry: dict[str, Any]) -> float:
     return float(_scorer(entry["metadata"]["source_dataset"])(answer, entry))
 
 
-@reward("reasoning_gym", timeout=10.0, default=0.0, range=(0.0, 1.0))
-def reasoning_gym(completion: str, *, answer: dict[str, Any]) -> float:
-    """The task's `score_answer` of the strict answer; `answer` is the reasoning-gym entry
-    (question, answer, metadata), as in the rows of areal_flow/data/reasoning_gym.py."""
-    return _score(extract_answer(completion, str(answer["answer"])), answer)
-
-
-def grade(completion: str, entry: dict[str, Any]) -> dict[str, float]:
+def grade(completion: str, answer: dict[str, Any], **_: object) -> dict[str, float]:
     """Strict ("accuracy": full credit for the strict answer) and lenient ("accuracy_lenient":
-    full credit for any candidate) correctness, and "format": the completion had an answer."""
+    full credit for any candidate) correctness, and "format": the completion had an answer;
+    `answer` is the reasoning-gym entry. The reward's `metrics`: the panel's numbers."""
+    entry = answer
     strict = extract_answer(completion, str(entry["answer"]))
     strict_score = _score(strict, entry)
     lenient = max((_score(c, entry) for c in _candidates(completion)), default=0.0)
     return {"accuracy": float(strict_score >= 1.0),
             "accuracy_lenient": float(max(strict_score, lenient) >= 1.0),
             "format": float(strict is not None)}
+
+
+@reward("reasoning_gym", timeout=10.0, default=0.0, range=(0.0, 1.0), metrics=grade)
+def reasoning_gym(completion: str, *, answer: dict[str, Any]) -> float:
+    """The task's `score_answer` of the strict answer; `answer` is the reasoning-gym entry
+    (question, answer, metadata), as in the rows of areal_flow/data/reasoning_gym.py."""
+    return _score(extract_answer(completion, str(answer["answer"])), answer)

@@ -52,7 +52,7 @@ def resolve(reward: str | Callable[..., Any] | RewardSpec) -> RewardSpec:
     if isinstance(reward, RewardSpec):
         return reward
     if isinstance(reward, str):
-        return rewards.get(reward)
+        return rewards.spec(reward)
     spec = getattr(reward, SPEC_ATTR, None)
     if isinstance(spec, RewardSpec) and spec.fn is reward:
         return spec
@@ -74,7 +74,7 @@ def _call_in_worker(path: str, package: str, args: tuple, kwargs: dict) -> Any:
         raise ImportError(f"the reward worker imported areal_flow from "
                           f"{list(areal_flow.__path__)}, the caller from {package}; check "
                           "sys.path and the working directory")
-    value = rewards.get(path).fn(*args, **kwargs)
+    value = rewards.get(path)(*args, **kwargs)
     # An async reward gets a loop of its own here, where the timeout can kill blocking code.
     return asyncio.run(value) if inspect.iscoroutine(value) else value
 

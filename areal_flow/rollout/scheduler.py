@@ -124,7 +124,7 @@ class RolloutScheduler:
         if len(dataset) == 0:
             raise ValueError("the dataset is empty")
         self.pool = pool
-        self.workflow = workflows.get(workflow) if isinstance(workflow, str) else workflow
+        self.workflow = workflows.spec(workflow) if isinstance(workflow, str) else workflow
         self.dataset = dataset
         self.tokenizer = tokenizer
         self.config = config
@@ -499,6 +499,8 @@ class RolloutScheduler:
                                 f"{type(episode).__name__}; expected an Episode or None")
             if episode is not None:
                 episode.info.setdefault("sample_id", sample_id)
+                episode.metrics = {**ctx.metrics, **episode.metrics}  # the workflow's own win
+                _check_metrics(self.workflow.name, episode.metrics)
             results[i] = episode
 
         try:
@@ -548,3 +550,14 @@ class RolloutScheduler:
             self._counts["dropped_stale_groups"] += len(stale)
             self._count_tokens_locked(stale, stale=True)
         return len(stale)
+
+
+def _check_metrics(workflow: str, metrics: dict[str, Any]) -> None:
+    for name, value in metrics.items():
+        if not isinstance(name, str) or "/" in name or not name:
+            raise ValueError(f"workflow {workflow!r}: episode metric name {name!r} must be a "
+                             "plain word (no '/': eval adds the 'eval/' prefix)")
+        if not isinstance(value, int | float):  # bools count as 0 / 1
+            raise TypeError(f"workflow {workflow!r}: episode.metrics[{name!r}] is "
+                            f"{type(value).__name__} {value!r}; a metric is a number, averaged "
+                            "over the batch")

@@ -189,7 +189,9 @@ class TrainEngine:
                              f"{missing}: pass train(..., ref=TrainEngine(path, config, "
                              "trainable=False)) / critic=TrainEngine(path, config, value=True)")
         if isinstance(batch, TensorDict):
-            batch = batch.clone(recurse=False)  # a shallow copy: the caller's batch keeps its keys
+            # a shallow copy (the caller's batch keeps its keys) without the episodes' info,
+            # which is for samples.jsonl and never leaves rank 0
+            batch = batch.exclude("info")
             batch["minibatch"] = minibatch_of_rows(batch["group_ids"], self.config.ppo_minibatches)
         shard, owned = scatter_groups(batch, self.rank, self.world_size)
         outputs = {"actor": ("prox_logprobs", "logprobs"), "ref": ("ref_logprobs", "logprobs"),

@@ -104,7 +104,7 @@ def check_reward(reward: str | RewardSpec, *, max_examples: int = 200,
     """Run the reward contract on a registered name or a spec and report the outcome.
     `examples` draws ``(completion, kwargs)`` pairs (default: hostile text, and kwargs from the
     reward's signature); the failure names the property and the smallest example found."""
-    spec = rewards.get(reward) if isinstance(reward, str) else reward
+    spec = rewards.spec(reward) if isinstance(reward, str) else reward
     lo, hi = spec.range
     seen: dict[str, Any] = {"examples": 0, "slowest": 0.0, "timed_out": None}
 

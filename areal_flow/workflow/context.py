@@ -46,6 +46,9 @@ class RolloutContext:
         `derived_seed(seed, n)`, so a resumed run replays exactly what it would have sampled."""
         self._score = score
         self._calls = 0
+        self.metrics: dict[str, float] = {}
+        """What the rewards' `metrics` functions said about this episode (the latest call's value
+        per name); the scheduler adds them to the episode's `metrics`."""
 
     def chat(self, messages: list[dict[str, str]]) -> list[int]:
         """The chat template applied to `messages`, ending with the assistant's turn opener."""
@@ -117,8 +120,15 @@ class RolloutContext:
 
     async def reward(self, reward: Any, *args: Any, **kwargs: Any) -> float:
         """Score with a registered reward (name, or the decorated function) in the reward runner:
-        a hung, crashing or raising reward scores its default."""
-        return await self._score(reward, *args, **kwargs)
+        a hung, crashing or raising reward scores its default. Its `metrics` function, if it
+        declares one, records the task's numbers for this episode in `self.metrics`."""
+        from areal_flow.reward.runner import resolve
+
+        score = await self._score(reward, *args, **kwargs)
+        spec = resolve(reward)
+        if spec.metrics is not None:
+            self.metrics.update(spec.metrics(*args, **kwargs))
+        return score
 
     def episode(
         self,
