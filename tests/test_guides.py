@@ -14,7 +14,7 @@ import pytest
 
 from tests.helpers import ROOT
 
-GUIDES = ["write_a_reward.md", "write_a_workflow.md"]
+GUIDES = ["write_a_reward.md", "write_a_workflow.md", "write_an_algorithm.md"]
 BLOCK = re.compile(r"^```(\w+)\n(.*?)^```", re.DOTALL | re.MULTILINE)
 
 
