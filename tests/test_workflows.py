@@ -68,7 +68,7 @@ def test_rlvr_builds_one_scored_turn(tokenizer, runner):
 def test_multi_turn_retries_with_feedback_and_discounts(tokenizer, runner):
     episode, pool = run("multi_turn", tokenizer, runner, ["#### 5", "#### 7"], SAMPLE,
                         config=MultiTurnConfig(discount=0.5))
-    assert episode.reward == 0.5 and episode.info["turns"] == 2
+    assert episode.reward == 0.5 and episode.metrics["turns"] == 2
     kinds = [(s.trainable, tokenizer.decode(s.token_ids)) for s in episode.segments]
     assert kinds[1] == (True, "#### 5<|im_end|>") and kinds[3] == (True, "#### 7<|im_end|>")
     assert kinds[2] == (False, "\n<|im_start|>user\nThat is not correct. Please try again."
@@ -87,7 +87,7 @@ def test_multi_turn_retries_with_feedback_and_discounts(tokenizer, runner):
 def test_multi_turn_stops_at_the_turn_limit(tokenizer, runner):
     episode, _ = run("multi_turn", tokenizer, runner, ["#### 1", "#### 2", "#### 3"], SAMPLE,
                      config=MultiTurnConfig(max_turns=3, discount=0.9))
-    assert episode.info["turns"] == 3 and episode.reward == 0.0
+    assert episode.metrics["turns"] == 3 and episode.reward == 0.0
 
 
 def test_tool_use_inserts_the_calculator_result_as_environment_tokens(tokenizer, runner):

@@ -57,5 +57,5 @@ async def multi_turn(ctx: RolloutContext, sample: dict):
         episode.add_tokens(feedback)
         context += feedback
     episode.reward = score * cfg.discount**turn
-    episode.info["turns"] = turn + 1
+    episode.metrics["turns"] = turn + 1  # on the panel: how many tries the model needed
     return episode
