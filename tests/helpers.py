@@ -53,9 +53,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_recipe(recipe: str, args: list[str], *, launcher: tuple[str, ...] = (),
-               check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
-    """`python recipes/<recipe>.py ARGS` from the repo root (tests' rewards importable)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+               check: bool = True, timeout: float = 300,
+               paths: tuple[Path, ...] = ()) -> subprocess.CompletedProcess:
+    """`python recipes/<recipe>.py ARGS` from the repo root (tests' rewards importable, and
+    whatever is installed in `paths`)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(map(str, (*paths, ROOT)))}
     result = subprocess.run([*(launcher or (sys.executable,)), str(ROOT / "recipes" / recipe),
                              *args], cwd=ROOT, env=env, capture_output=True, text=True,
                             timeout=timeout)
