@@ -44,6 +44,7 @@ def check_reward(
     name: Annotated[str, tyro.conf.Positional],
     max_examples: int = 200,
     answers: tuple[Literal["####", "boxed", "answer_tag", "json"], ...] = (),
+    answer_field: str = "answer",
     examples: str | None = None,
 ) -> int:
     """Run the reward contract on a registered reward: never raises on arbitrary text, returns
@@ -55,6 +56,8 @@ def check_reward(
         answers: Completions that state an answer in these syntaxes, with the reference as
             `answer` (areal_flow.testing.strategies.answered), so the check reaches the
             reward's main path; default: hostile text.
+        answer_field: The keyword that --answers passes the reference as (the reward's
+            parameter name, e.g. target).
         examples: A 'package.module:name' of your own hypothesis strategy of
             (completion, kwargs) pairs.
     """
@@ -66,7 +69,7 @@ def check_reward(
         console.print("[red]--answers and --examples: give one of them[/]")
         return 2
     try:
-        strategy = answered(answers) if answers else \
+        strategy = answered(answers, answer_field=answer_field) if answers else \
             _attribute(examples) if examples else None
         report = run_contract(name, max_examples=max_examples, examples=strategy)
     except (RegistryError, ImportError, AttributeError) as exc:

@@ -281,6 +281,7 @@ def test_bad_input_is_named(tiny_model_dir, gsm8k_file, tmp_path, extra, message
     (["--dataset", "{tmp}/missing.jsonl"], "missing.jsonl: no such file"),
     (["--dataset", "{tmp}/empty.jsonl"], "empty.jsonl: the 'train' split has no rows"),
     (["--dataset", "{tmp}/broken.jsonl"], "broken.jsonl, line 2: not JSON"),
+    (["--dataset", "{tmp}/two.jsonl"], "--eval-size 4 takes all 2 rows, leaving none to train"),
     (["--workflow-config", '{"question_field": '], "--workflow-config: not valid JSON"),
     (["--workflow-config", "{tmp}/missing.yaml"], "missing.yaml: no such file"),
     (["--sampling.max-new-tokens", "100000"], "leaves no room for a prompt"),
@@ -295,6 +296,8 @@ def test_bad_input_is_refused_before_any_weights_load(tiny_model_dir, gsm8k_file
     the same command, corrected, starts a fresh run)."""
     (tmp_path / "empty.jsonl").write_text("\n")
     (tmp_path / "broken.jsonl").write_text('{"question": "1 + 1?", "answer": "2"}\n{"question"\n')
+    (tmp_path / "two.jsonl").write_text('{"question": "1 + 1?", "answer": "2"}\n'
+                                        '{"question": "2 + 1?", "answer": "3"}\n')
     extra = [arg.replace("{tmp}", str(tmp_path)) for arg in extra]
     result = run_recipe(RECIPE, tiny_args(tiny_model_dir, gsm8k_file, tmp_path / "run", *extra),
                         check=False, timeout=120)

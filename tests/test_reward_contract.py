@@ -202,6 +202,15 @@ def test_check_reward_command_takes_answer_syntaxes_and_custom_examples():
     wrong = run_cli("check-reward", "tests.test_reward_contract:tagged", "--answers", "xml",
                     check=False)
     assert wrong.returncode != 0 and "xml" in wrong.stdout + wrong.stderr
+    # a reward whose reference is another keyword: --answer-field passes it under that name
+    bad = run_cli("check-reward", "tests.test_reward_contract:tagged_buggy_target", "--answers",
+                  "answer_tag", "--answer-field", "target", check=False)
+    assert bad.returncode == 1 and "property 'never raises'" in bad.stdout
+    assert "ValueError" in bad.stdout  # its main path ran: float('1,234'), not a TypeError
+
+
+def tagged_buggy_target(completion: str, *, target: str) -> float:
+    return tagged_buggy(completion, answer=target)
 
 
 hangs_registered = reward("tests.contract_hangs", timeout=0.5)(hangs)

@@ -89,6 +89,9 @@ def split_rows(rows: list[dict[str, Any]], eval_size: int) -> tuple[list[dict], 
         return hashlib.sha256(json.dumps(row, sort_keys=True, default=str).encode()).hexdigest()
 
     ranked = sorted(rows, key=digest)
+    if rows and eval_size >= len(rows):
+        raise ValueError(f"--eval-size {eval_size} takes all {len(rows)} rows, leaving none to "
+                         "train on: lower --eval-size (0 evaluates nothing) or give more rows")
     return ranked[eval_size:], ranked[:eval_size]
 
 
