@@ -36,6 +36,7 @@ import attrs
 from areal_flow.config import RolloutConfig
 from areal_flow.registry import workflows
 from areal_flow.types import Episode, GenerationPool, SamplingParams, WorkflowSpec, derived_seed
+from areal_flow.workflow.openai_endpoint import OpenAIEndpoint
 from areal_flow.workflow.context import PromptTooLong, RolloutContext
 
 log = logging.getLogger(__name__)
@@ -161,6 +162,9 @@ class RolloutScheduler:
 
         self._portal_cm = None
         self._portal: anyio.from_thread.BlockingPortal | None = None
+        # workflows' OpenAI-compatible endpoint: one app, a key per episode, served on this loop
+        self.openai_endpoint = OpenAIEndpoint(model=getattr(tokenizer, "name_or_path", "") or
+                                              "policy")
         self._changed: anyio.Event | None = None
         self._cancel: anyio.CancelScope | None = None
 
@@ -179,6 +183,7 @@ class RolloutScheduler:
             return
         if self._cancel is not None:
             self._portal.call(self._cancel.cancel)
+        self._portal.call(self.openai_endpoint.close)
         self._portal_cm.__exit__(None, None, None)
         self._portal = self._portal_cm = None
 
@@ -491,9 +496,12 @@ class RolloutScheduler:
                 pool=self.pool, tokenizer=self.tokenizer, score=self._score,
                 sampling=sampling, episode_id=f"{sample_id}/{attempt}/{i}",
                 config=self.workflow_config, max_prompt_tokens=self.config.max_prompt_tokens,
-                seed=seed,
+                seed=seed, endpoint=self.openai_endpoint,
             )
-            episode = await self.workflow.fn(ctx, sample)
+            try:
+                episode = await self.workflow.fn(ctx, sample)
+            finally:
+                ctx.close()
             if episode is not None and not isinstance(episode, Episode):
                 raise TypeError(f"workflow {self.workflow.name!r} returned "
                                 f"{type(episode).__name__}; expected an Episode or None")

@@ -9,6 +9,7 @@ import attrs
 
 from areal_flow.types import (Completion, Episode, GenerationPool, GenerationRequest,
                               SamplingParams, derived_seed)
+from areal_flow.workflow.openai_endpoint import OpenAIAccess, OpenAIEndpoint, Recorder
 
 
 class PromptTooLong(ValueError):
@@ -33,6 +34,7 @@ class RolloutContext:
         config: Any = None,
         max_prompt_tokens: int | None = None,
         seed: int | None = None,
+        endpoint: OpenAIEndpoint | None = None,
     ):
         self.pool = pool
         self.tokenizer = tokenizer
@@ -49,17 +51,23 @@ class RolloutContext:
         self.metrics: dict[str, float] = {}
         """What the rewards' `metrics` functions said about this episode (the latest call's value
         per name); the scheduler adds them to the episode's `metrics`."""
+        self._endpoint = endpoint  # the scheduler's, shared by its episodes (made when needed)
+        self._recorder: Recorder | None = None
+        self._key: str | None = None
 
-    def chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """The chat template applied to `messages`, ending with the assistant's turn opener."""
-        ids = _ids(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    def chat(self, messages: list[dict[str, Any]], *, tools: Any = None) -> list[int]:
+        """The chat template applied to `messages` (and `tools`, for a template that renders
+        them), ending with the assistant's turn opener."""
+        ids = _ids(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                      **_tools(tools)))
         if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
             raise PromptTooLong(
                 f"prompt of {len(ids)} tokens exceeds max_prompt_tokens={self.max_prompt_tokens}"
             )
         return ids
 
-    def chat_delta(self, history: list[dict[str, str]], new: list[dict[str, str]]) -> list[int]:
+    def chat_delta(self, history: list[dict[str, Any]], new: list[dict[str, Any]], *,
+                   tools: Any = None) -> list[int]:
         """Tokens the chat template adds when the messages `new` follow `history`, whose last
         message is the assistant turn the model just produced (ending in its EOS token), up to
         and including the next assistant opener.
@@ -67,9 +75,9 @@ class RolloutContext:
         Only the template's text after the model's EOS is tokenized; the model's own tokens stay
         as generated. Raises if the template renders earlier turns differently once more follow.
         """
-        before = self.tokenizer.apply_chat_template(history, tokenize=False)
+        before = self.tokenizer.apply_chat_template(history, tokenize=False, **_tools(tools))
         after = self.tokenizer.apply_chat_template(
-            [*history, *new], tokenize=False, add_generation_prompt=True
+            [*history, *new], tokenize=False, add_generation_prompt=True, **_tools(tools)
         )
         eos = self.tokenizer.eos_token
         cut = before.rfind(eos) if eos else -1
@@ -130,6 +138,48 @@ class RolloutContext:
             self.metrics.update(spec.metrics(*args, **kwargs))
         return score
 
+    def openai_client(self) -> Any:
+        """An `openai.AsyncOpenAI` for this episode: `chat.completions.create` generates with
+        the pool (messages, tools, n, temperature, top_p, max_tokens, stop, seed) and records
+        each call's tokens; `recorded_episode()` makes them the episode. Needs `openai`
+        (`pip install 'areal-flow[agents]'`)."""
+        import httpx
+        import openai
+
+        return openai.AsyncOpenAI(
+            api_key=self._register(), base_url="http://areal-flow.invalid/v1", max_retries=0,
+            http_client=httpx.AsyncClient(transport=httpx.ASGITransport(app=self._app().app)))
+
+    async def openai_server(self) -> OpenAIAccess:
+        """A base URL and key of an OpenAI-compatible HTTP endpoint for this episode, for an
+        agent in another process or library (`openai.OpenAI(base_url=..., api_key=...)`); its
+        calls are recorded as `openai_client()`'s are."""
+        return OpenAIAccess(await self._app().serve(), self._register())
+
+    def recorded_episode(self) -> Episode:
+        """The episode the OpenAI calls made: one token sequence, the model's turns trained on
+        and the messages between them not (see `openai_endpoint.Recorder.episode`)."""
+        if self._recorder is None:
+            raise ValueError("no OpenAI client or server was opened in this episode: use "
+                             "ctx.openai_client() or await ctx.openai_server() first")
+        return self._recorder.episode()
+
+    def close(self) -> None:
+        """The episode is over: its key stops working (the scheduler calls this)."""
+        if self._key is not None:
+            self._app().release(self._key)
+
+    def _app(self) -> OpenAIEndpoint:
+        if self._endpoint is None:
+            self._endpoint = OpenAIEndpoint()
+        return self._endpoint
+
+    def _register(self) -> str:
+        if self._recorder is None:
+            self._recorder = Recorder(self)
+            self._key = self._app().register(self._recorder)
+        return self._key
+
     def episode(
         self,
         prompt_ids: Sequence[int],
@@ -151,6 +201,10 @@ def field(sample: dict[str, Any], name: str) -> Any:
             f"dataset row has no field {name!r} (it has: {fields}); point the workflow config "
             "at the right field"
         ) from None
+
+
+def _tools(tools: Any) -> dict[str, Any]:
+    return {} if tools is None else {"tools": tools}
 
 
 def _ids(encoded: Any) -> list[int]:
