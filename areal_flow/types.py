@@ -263,8 +263,9 @@ class Episode:
     through `ctx.reward`; a workflow may set more."""
     temperature: float | None = None
     truncated: bool = False
-    """The last model turn stopped at its token budget (finish reason `length`): the episode did
-    not end, it was cut, so value-based advantages bootstrap instead of treating it as final."""
+    """The episode did not end, it was cut: its last model turn stopped at its token budget
+    (finish reason `length`), or an environment or turn limit stopped it (gymnasium's
+    `truncated`). Value-based advantages bootstrap instead of treating it as final."""
 
     @classmethod
     def start(
