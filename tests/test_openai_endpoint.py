@@ -198,3 +198,35 @@ def test_n_choices_stop_strings_and_the_choice_the_agent_continues(tokenizer):
     second = pool.served[1]
     assert pool.requests[2].input_ids[:len(pool.requests[0].input_ids) + len(second.token_ids)] \
         == (*pool.requests[0].input_ids, *second.token_ids)
+
+
+def test_a_streaming_agent_gets_the_whole_reply_as_chunks_and_the_same_recording(tokenizer):
+    pool = ScriptedPool(tokenizer, [CALL_ADD, FINAL])
+    ctx = context(tokenizer, pool)
+
+    async def workflow():
+        client = ctx.openai_client()
+        messages = [{"role": "user", "content": "What is 2 + 3?"}]
+        stream = await client.chat.completions.create(
+            model="p", messages=messages, tools=TOOLS, temperature=0.7, max_tokens=40,
+            stream=True, stream_options={"include_usage": True})
+        chunks = [chunk async for chunk in stream]
+        call = chunks[0].choices[0].delta.tool_calls[0]
+        assert (call.function.name, json.loads(call.function.arguments)) == \
+            ("add", {"a": 2, "b": 3})
+        assert chunks[0].choices[0].finish_reason == "tool_calls"
+        assert chunks[-1].usage.completion_tokens == len(pool.served[0].token_ids)
+        # the agent sends back what it assembled from the chunks
+        messages += [{"role": "assistant", "content": chunks[0].choices[0].delta.content,
+                      "tool_calls": [{"id": call.id, "type": "function", "function": {
+                          "name": "add", "arguments": call.function.arguments}}]},
+                     {"role": "tool", "tool_call_id": call.id, "content": "5"}]
+        stream = await client.chat.completions.create(
+            model="p", messages=messages, tools=TOOLS, temperature=0.7, max_tokens=40,
+            stream=True)
+        text = "".join([c.choices[0].delta.content or "" async for c in stream])
+        return text, ctx.recorded_episode()
+
+    text, episode = asyncio.run(workflow())
+    assert text == FINAL
+    check_episode(tokenizer, pool, episode)

@@ -110,8 +110,6 @@ class Recorder:
         messages, tools = body.get("messages"), body.get("tools")
         if not isinstance(messages, list) or not messages:
             raise ValueError("'messages' must be a non-empty list of messages")
-        if body.get("stream"):
-            raise ValueError("'stream': true is not supported; ask without streaming")
         overrides = self._sampling(body)
         stops = body.get("stop") or []
         stops = [stops] if isinstance(stops, str) else list(stops)
@@ -254,15 +252,42 @@ class OpenAIEndpoint:
                           "(ctx.openai_client() / await ctx.openai_server())")
         try:
             body = await request.json()
-            return JSONResponse(await recorder.create(body))
+            response = await recorder.create(body)
         except (ValueError, TypeError) as exc:
             return _error(400, "invalid_request_error", str(exc))
+        if not body.get("stream"):
+            return JSONResponse(response)
+        from starlette.responses import StreamingResponse
+
+        return StreamingResponse(_events(response, body), media_type="text/event-stream")
 
     async def _models(self, request):
         from starlette.responses import JSONResponse
 
         return JSONResponse({"object": "list", "data": [
             {"id": self.model, "object": "model", "created": 0, "owned_by": "areal_flow"}]})
+
+
+def _events(response: dict[str, Any], body: dict[str, Any]):
+    """A whole response as a stream: one chunk per choice (its message as the delta), the usage
+    when `stream_options.include_usage` asks, then [DONE]. The reply is generated before the
+    first byte, so a streaming agent sees it at once rather than token by token."""
+    head = {key: response[key] for key in ("id", "created", "model")}
+    for choice in response["choices"]:
+        delta = {k: v for k, v in choice["message"].items() if v is not None}
+        for i, call in enumerate(delta.get("tool_calls", [])):
+            delta["tool_calls"][i] = {"index": i, **call}
+        yield _sse({**head, "object": "chat.completion.chunk", "choices": [
+            {"index": choice["index"], "delta": delta, "finish_reason": choice["finish_reason"],
+             "logprobs": None}]})
+    if (body.get("stream_options") or {}).get("include_usage"):
+        yield _sse({**head, "object": "chat.completion.chunk", "choices": [],
+                    "usage": response["usage"]})
+    yield "data: [DONE]\n\n"
+
+
+def _sse(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data)}\n\n"
 
 
 def _error(status: int, kind: str, message: str):
