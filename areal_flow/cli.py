@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from areal_flow import registry
+from areal_flow.evaluation import EvalConfig
 from areal_flow.registry import RegistryError
 from areal_flow.slurm import SlurmJob, sbatch_script
 
@@ -171,6 +172,24 @@ def slurm(job: Annotated[SlurmJob, tyro.conf.OmitArgPrefixes, tyro.conf.arg(name
     return 0
 
 
+def eval_(cfg: EvalConfig) -> int:
+    """`areal-flow eval` (its options: `EvalConfig`, which tyro builds and checks)."""
+    from areal_flow import evaluation
+
+    try:  # names, rows and the model's config are checked before any weights load
+        plan = evaluation.prepare(cfg)
+    except (RegistryError, ValueError, OSError, ImportError) as exc:
+        _say(f"areal-flow eval: {exc}", error=True)
+        return 2
+    console = Console()
+    summary = evaluation.run(plan, console)
+    _say(evaluation.headline(summary))
+    console.print(evaluation.table(summary))
+    _say(f"wrote {plan['out']} and {evaluation.summary_path(plan['out'])} in "
+         f"{summary['seconds']:g} s (peak memory {summary['peak_rss_gb']:.1f} GB)")
+    return 0
+
+
 def _say(message: str, *, error: bool = False) -> None:
     # paths and messages are printed as they are: no markup, no line breaks inserted
     Console(stderr=error).print(message, style="red" if error else None, markup=False,
@@ -178,13 +197,14 @@ def _say(message: str, *, error: bool = False) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return tyro.extras.subcommand_cli_from_dict(
+    result = tyro.extras.subcommand_cli_from_dict(
         {"plugins": plugins, "check-reward": check_reward, "serve": serve, "plot": plot,
-         "slurm": slurm},
+         "slurm": slurm, "eval": EvalConfig},
         prog="areal-flow",
         description="areal_flow: asynchronous RL post-training for LLMs.",
         args=argv,
     )
+    return eval_(result) if isinstance(result, EvalConfig) else result
 
 
 if __name__ == "__main__":
