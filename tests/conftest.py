@@ -44,3 +44,11 @@ def example_plugin_path(tmp_path_factory) -> Path:
         check=True,
     )
     return target
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model_dir):
+    """The tiny model's tokenizer (ChatML template, EOS <|im_end|>)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)

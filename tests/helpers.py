@@ -82,3 +82,21 @@ def assert_finite(run_dir: Path, keys: tuple[str, ...]) -> None:
     for m in trained:
         for key in keys:
             assert math.isfinite(m[key]), (m["step"], key, m[key])
+
+
+class ScriptedPool:
+    """A generation pool for workflow tests: replies with the next scripted (text, finish
+    reason), a "stop" reply ending with EOS, and keeps every prompt it was given."""
+
+    def __init__(self, tokenizer, replies):
+        self.tokenizer, self.replies, self.prompts = tokenizer, iter(replies), []
+
+    async def generate(self, request):
+        self.prompts.append(list(request.input_ids))
+        text, finish = next(self.replies)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        ids += [self.tokenizer.eos_token_id] if finish == "stop" else []
+        from areal_flow.types import Completion
+
+        return Completion(token_ids=ids, logprobs=[-0.5] * len(ids), versions=[3] * len(ids),
+                          finish_reason=finish, text=text)

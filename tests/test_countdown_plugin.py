@@ -25,9 +25,9 @@ from tensordict import TensorDict
 
 from areal_flow.testing.contract import check_reward
 from areal_flow.testing.strategies import answered, completion_text
-from areal_flow.types import Completion, ModelOutput, RewardSpec, SamplingParams
+from areal_flow.types import ModelOutput, RewardSpec, SamplingParams
 from areal_flow.workflow.context import RolloutContext
-from tests.helpers import metrics, run_cli, run_python, run_recipe
+from tests.helpers import ScriptedPool, metrics, run_cli, run_python, run_recipe
 
 PLUGIN = Path(__file__).resolve().parents[1] / "examples" / "plugins" / "countdown"
 
@@ -334,28 +334,6 @@ def test_loo_on_policy_gradient_is_reinforce_with_the_leave_one_out_baseline(ct)
 
 
 # ----------------------------------------------------------------------------------- workflows
-
-
-class ScriptedPool:
-    """Replies with the next scripted (text, finish reason): a "stop" reply ends with EOS."""
-
-    def __init__(self, tokenizer, replies):
-        self.tokenizer, self.replies, self.version, self.prompts = tokenizer, iter(replies), 0, []
-
-    async def generate(self, request):
-        self.prompts.append(list(request.input_ids))
-        text, finish = next(self.replies)
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
-        ids += [self.tokenizer.eos_token_id] if finish == "stop" else []
-        return Completion(token_ids=ids, logprobs=[-0.5] * len(ids), versions=[3] * len(ids),
-                          finish_reason=finish, text=text)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 @pytest.fixture(scope="module")

@@ -9,31 +9,15 @@ import asyncio
 import json
 
 import pytest
-from transformers import AutoTokenizer
 
 from areal_flow import registry, workflows
 from areal_flow.environment import GymnasiumEnvironment, environment, gymnasium_env
-from areal_flow.types import Completion, SamplingParams, derived_seed
+from areal_flow.types import SamplingParams, derived_seed
 from areal_flow.workflow.context import RolloutContext
 from areal_flow.workflow.env import EnvConfig
-from tests.helpers import make_distribution, metrics, run_cli, run_recipe
+from tests.helpers import ScriptedPool, make_distribution, metrics, run_cli, run_recipe
 
 GUESS = "tests.environments_for_tests:GuessNumber-v0"
-
-
-class ScriptedPool:
-    """Replies with the next scripted (text, finish reason): a "stop" reply ends with EOS."""
-
-    def __init__(self, tokenizer, replies):
-        self.tokenizer, self.replies, self.prompts = tokenizer, iter(replies), []
-
-    async def generate(self, request):
-        self.prompts.append(list(request.input_ids))
-        text, finish = next(self.replies)
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
-        ids += [self.tokenizer.eos_token_id] if finish == "stop" else []
-        return Completion(token_ids=ids, logprobs=[-0.5] * len(ids), versions=[3] * len(ids),
-                          finish_reason=finish, text=text)
 
 
 @environment("tests.script")
@@ -75,11 +59,6 @@ class AsyncScript(Script):
 
     async def close(self):
         Script.close(self)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 ROW = {"x": 5, "target": 7}

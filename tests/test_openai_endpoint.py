@@ -59,13 +59,6 @@ async def agent(client, question: str) -> str:
                              "content": str(args["a"] + args["b"])})
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
-
-
 def context(tokenizer, pool, endpoint=None) -> RolloutContext:
     return RolloutContext(pool=pool, tokenizer=tokenizer, score=None, episode_id="0/0/0",
                           sampling=SamplingParams(max_new_tokens=16), seed=3, endpoint=endpoint)

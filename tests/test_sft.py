@@ -7,7 +7,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import AutoTokenizer
 
 from areal_flow import algorithms
 from areal_flow.algorithms.sft import SFT, SFTConfig
@@ -15,11 +14,6 @@ from areal_flow.config import OptimizerConfig
 from areal_flow.data.sft import collate_sft, tokenize_conversation
 from areal_flow.runtime.engine import TrainConfig, TrainEngine
 from areal_flow.types import ModelOutput
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 def pieces(tokenizer, episode):

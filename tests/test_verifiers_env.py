@@ -22,13 +22,6 @@ from tests.test_openai_endpoint import ScriptedPool
 ENVS = Path(__file__).resolve().parent / "verifiers_envs"
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
-
-
 @pytest.fixture(scope="module", autouse=True)
 def installed_env():
     """tiny_reverse importable, as an installed verifiers environment package is."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from transformers import AutoTokenizer
 
 from areal_flow import workflows
 from areal_flow.reward.runner import RewardRunner
@@ -28,11 +27,6 @@ class TextPool:
         ids = [*self.tokenizer.encode(text, add_special_tokens=False), self.tokenizer.eos_token_id]
         return Completion(token_ids=ids, logprobs=[-0.5] * len(ids), versions=[3] * len(ids),
                           finish_reason="stop", text=text)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 @pytest.fixture(scope="module")
