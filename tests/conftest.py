@@ -3,15 +3,11 @@ session-scoped, so the suite stays fast as it grows."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 pytest_plugins = ["pytester"]
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="session")
@@ -37,13 +33,9 @@ def gsm8k_file(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def example_plugin_path(tmp_path_factory) -> Path:
     """examples/plugins/reverse_task installed for real with pip into a folder of its own."""
-    target = tmp_path_factory.mktemp("plugin_site")
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(target),
-         str(REPO / "examples" / "plugins" / "reverse_task")],
-        check=True,
-    )
-    return target
+    from tests.helpers import install_plugin
+
+    return install_plugin("reverse_task", tmp_path_factory.mktemp("plugin_site"))
 
 
 @pytest.fixture(scope="session")

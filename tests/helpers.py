@@ -100,3 +100,17 @@ class ScriptedPool:
 
         return Completion(token_ids=ids, logprobs=[-0.5] * len(ids), versions=[3] * len(ids),
                           finish_reason=finish, text=text)
+
+
+def install_plugin(name: str, into: Path) -> Path:
+    """examples/plugins/<name> installed for real with pip into the folder `into`."""
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target",
+                    str(into), str(ROOT / "examples" / "plugins" / name)], check=True)
+    return into
+
+
+def plugin_rows(site: Path, word: str) -> list[list[str]]:
+    """The cells of `areal-flow plugins`' rows that mention `word`, with `site` installed."""
+    rows = [line for line in run_cli("plugins", paths=(site,)).stdout.splitlines()
+            if word in line]
+    return [[c.strip() for c in row.strip("│ ").split("│")] for row in rows]

@@ -27,7 +27,7 @@ from areal_flow.testing.contract import check_reward
 from areal_flow.testing.strategies import answered, completion_text
 from areal_flow.types import ModelOutput, RewardSpec, SamplingParams
 from areal_flow.workflow.context import RolloutContext
-from tests.helpers import ScriptedPool, metrics, run_cli, run_python, run_recipe
+from tests.helpers import ScriptedPool, install_plugin, metrics, plugin_rows, run_cli, run_python, run_recipe
 
 PLUGIN = Path(__file__).resolve().parents[1] / "examples" / "plugins" / "countdown"
 
@@ -35,10 +35,7 @@ PLUGIN = Path(__file__).resolve().parents[1] / "examples" / "plugins" / "countdo
 @pytest.fixture(scope="session")
 def countdown_site(tmp_path_factory) -> Path:
     """examples/plugins/countdown installed with pip into a folder of its own."""
-    target = tmp_path_factory.mktemp("countdown_site")
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target",
-                    str(target), str(PLUGIN)], check=True)
-    return target
+    return install_plugin("countdown", tmp_path_factory.mktemp("countdown_site"))
 
 
 @pytest.fixture(scope="module")
@@ -56,9 +53,7 @@ def ct(countdown_site):
 
 
 def test_the_installed_plugin_is_listed_and_resolved_without_torch(countdown_site):
-    rows = [line for line in run_cli("plugins", paths=(countdown_site,)).stdout.splitlines()
-            if "countdown" in line]
-    cells = [[c.strip() for c in row.strip("│ ").split("│")] for row in rows]
+    cells = plugin_rows(countdown_site, "countdown")
     dist = "areal-flow-countdown 0.1.0"
     assert sorted(cells) == sorted([
         ["workflow", "countdown.single_turn", dist, "countdown_task:single_turn"],

@@ -17,7 +17,7 @@ import pytest
 
 from areal_flow.reward.runner import FAILURE_WINDOW, RewardFailureError, RewardRunner
 from tests import rewards_for_tests
-from tests.conftest import REPO
+from tests.helpers import ROOT as REPO
 
 
 @pytest.fixture(scope="module")

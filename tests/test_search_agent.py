@@ -22,7 +22,7 @@ from areal_flow.testing.contract import check_reward
 from areal_flow.testing.strategies import answered
 from areal_flow.types import SamplingParams
 from areal_flow.workflow.context import RolloutContext
-from tests.helpers import ScriptedPool, metrics, run_cli, run_python, run_recipe
+from tests.helpers import ScriptedPool, install_plugin, metrics, plugin_rows, run_cli, run_python, run_recipe
 
 PLUGIN = Path(__file__).resolve().parents[1] / "examples" / "plugins" / "search_agent"
 
@@ -30,10 +30,7 @@ PLUGIN = Path(__file__).resolve().parents[1] / "examples" / "plugins" / "search_
 @pytest.fixture(scope="session")
 def search_site(tmp_path_factory) -> Path:
     """examples/plugins/search_agent installed with pip into a folder of its own."""
-    target = tmp_path_factory.mktemp("search_site")
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target",
-                    str(target), str(PLUGIN)], check=True)
-    return target
+    return install_plugin("search_agent", tmp_path_factory.mktemp("search_site"))
 
 
 @pytest.fixture(scope="module")
@@ -50,9 +47,7 @@ def sa(search_site):
 
 
 def test_the_installed_plugin_is_listed(search_site):
-    rows = [line for line in run_cli("plugins", paths=(search_site,)).stdout.splitlines()
-            if "search" in line]
-    cells = [[c.strip() for c in row.strip("│ ").split("│")] for row in rows]
+    cells = plugin_rows(search_site, "search")
     dist = "areal-flow-search-agent 0.1.0"
     assert sorted(cells) == sorted([["workflow", "search.agent", dist, "search_agent:agent"],
                                     ["reward", "search.answer", dist,
