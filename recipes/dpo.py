@@ -1,0 +1,174 @@
+"""DPO (or IPO) on offline preference pairs: prefer the chosen response over the rejected one.
+
+    python recipes/dpo.py                             # offline CPU default (packaged model + data)
+    python recipes/dpo.py --help                      # every option
+    torchrun --nproc-per-node 8 recipes/dpo.py --model Qwen/Qwen2.5-1.5B-Instruct \\
+        --dataset my_pairs.jsonl --algorithm.beta 0.1
+
+A dataset row is a pair: `prompt`, `chosen`, `rejected` (strings; other column names with
+--prompt-field / --chosen-field / --rejected-field), as a jsonl file or a HF dataset. Each side
+becomes a chat (the prompt as the user's turn, the response as the assistant's) and the loss
+sees the assistant's tokens. The default pairs come from the packaged GSM8K rows: the worked
+solution ending in '#### N' (the format the GRPO reward checks) is preferred over the same
+solution ending in 'The answer is N.'. The loop: batch of pairs → reference and policy forward
+→ update → held-out reward margin and accuracy every `eval_every` steps → checkpoint. Rank 0
+builds each batch; every rank trains. Formulas: `areal_flow/algorithms/dpo.py`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import attrs
+import torch
+import torch.distributed as dist
+import tyro
+from attrs import validators as v
+from transformers import AutoTokenizer
+
+from areal_flow.algorithms.dpo import DPO, DPOConfig, partners, sequence_logratio
+from areal_flow.config import OptimizerConfig, fast_bf16
+from areal_flow.data import offline
+from areal_flow.data.preference import collate_pairs, gsm8k_format_pairs, pair_from_row
+from areal_flow.run import LiveDisplay, RunConfig, RunDir, StopRequest, peak_rss_gb
+from areal_flow.runtime.distributed import (any_rank, exit_process, init_distributed,
+                                            same_on_all_ranks, shutdown_distributed)
+from areal_flow.runtime.engine import TrainConfig, TrainEngine
+
+
+@attrs.frozen(kw_only=True)
+class Config(RunConfig):
+    """DPO on preference pairs. Defaults run offline on a CPU (GSM8K answer-format pairs)."""
+
+    steps: int = attrs.field(default=12, validator=v.ge(1))
+    """Training steps (one batch of pairs each)."""
+    eval_every: int = attrs.field(default=4, validator=v.ge(1))
+    """Steps between evals (one also runs before training and after the last step)."""
+    save_every: int = attrs.field(default=12, validator=v.ge(1))
+    """Steps between checkpoints (one is also written at the end and on Ctrl-C / SIGTERM)."""
+    batch_size: int = attrs.field(default=4, validator=v.ge(1))
+    """Pairs per optimizer step (twice as many rows; each row costs a reference and a policy
+    forward pass before the update, then the update's forward and backward)."""
+    prompt_field: str = "prompt"
+    """Dataset field with the user's turn."""
+    chosen_field: str = "chosen"
+    """Dataset field with the preferred response."""
+    rejected_field: str = "rejected"
+    """Dataset field with the dispreferred response."""
+    algorithm: DPOConfig = DPOConfig()
+    train: TrainConfig = TrainConfig(optim=OptimizerConfig(lr=1e-5), bf16=fast_bf16(),
+                                     max_tokens_per_mb=512)  # see gsm8k_rl.RLConfig.train
+
+
+def main(cfg: Config) -> None:
+    rank, world, _ = init_distributed()
+    # every rank reads the rows: each evaluates its own share of the held-out pairs; a row
+    # without the pair's fields is refused here, before any model loads
+    train_pairs, eval_pairs, data_note = preference_pairs(cfg)
+    run = RunDir(same_on_all_ranks(cfg.run_dir or RunDir.default_path("dpo")),
+                 resume=cfg.resume, keep_checkpoints=cfg.keep_checkpoints)
+    dist.barrier()  # every rank has checked the folder before rank 0 writes into it
+    model = same_on_all_ranks(
+        cfg.model or (str(offline.packaged_smollm2()) if rank == 0 else None))
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    eval_batch = collate_pairs(tokenizer, eval_pairs[rank::world]) if eval_pairs else None
+    algorithm = DPO(cfg.algorithm)
+    trainer = TrainEngine(model, cfg.train)
+    ref = TrainEngine(model, cfg.train, trainable=False)  # the initial weights, also on resume
+    start, _ = run.load_checkpoint(trainer) if cfg.resume else (0, None)
+    # the reference never changes: its held-out log-probs are computed once
+    eval_ref = ref.forward(eval_batch)["logprobs"] if eval_batch is not None else None
+
+    display = LiveDisplay(cfg.steps, start, enabled=rank == 0, columns={
+        "loss": "loss", "rewards/margin": "margin", "rewards/accuracy": "acc",
+        "eval/margin": "eval margin", "eval/accuracy": "eval acc",
+        "tokens_per_second": "tok/s", "seconds/step": "s/step"})
+    if rank == 0:
+        run.truncate_after(start)
+        display.print(f"[bold]dpo[/] run folder {run.path} · model {model} · "
+                      f"{world} training rank(s)\n{data_note}")
+        run.write_config(cfg)
+        run.start_loggers(cfg.logger, cfg, start)
+
+    try:
+        with StopRequest() as stop, display:
+            if start == 0 and eval_pairs:
+                scores = heldout(algorithm, trainer, eval_batch, eval_ref)
+                run.log_metrics(0, scores) if rank == 0 else None
+            for step in range(start, cfg.steps):
+                began = time.perf_counter()
+                batch = None
+                if rank == 0:  # train() scatters rank 0's batch (whole pairs) to every rank
+                    batch = collate_pairs(tokenizer, [train_pairs[i] for i in
+                                                      batch_indices(step, cfg, len(train_pairs))])
+                stats = trainer.train(batch, algorithm, ref=ref)
+                last = step + 1 == cfg.steps
+                evaluating = eval_pairs and ((step + 1) % cfg.eval_every == 0 or last)
+                scores = heldout(algorithm, trainer, eval_batch, eval_ref) if evaluating else {}
+                stopping = any_rank(stop.requested)
+                if rank == 0:
+                    seconds = time.perf_counter() - began
+                    metrics = {**stats, **scores,
+                               "epoch": (step + 1) * cfg.batch_size / len(train_pairs),
+                               "seconds/step": seconds,
+                               "tokens_per_second": batch["attention_mask"].sum().item() / seconds,
+                               "memory/peak_rss_gb": peak_rss_gb()}
+                    run.log_metrics(step + 1, metrics)
+                    display.update(step + 1, metrics)
+                if (step + 1) % cfg.save_every == 0 or last or stopping:
+                    run.save_checkpoint(step + 1, trainer, tokenizer_from=model)
+                if stopping:
+                    display.print(f"stopped after step {step + 1}; continue with --resume "
+                                  f"--run-dir {run.path}")
+                    break
+        if rank == 0:
+            display.print(f"done: {run.path}")
+    finally:
+        run.close()
+        shutdown_distributed()
+
+
+def preference_pairs(cfg: Config) -> tuple[list, list, str]:
+    """Train and held-out pairs: the dataset's rows (each must have the three fields), or by
+    default the packaged GSM8K rows turned into answer-format pairs."""
+    train_rows, eval_rows, note = offline.train_eval_rows(cfg.dataset, cfg.eval_size)
+    if cfg.dataset is None:
+        train, held = gsm8k_format_pairs(train_rows), gsm8k_format_pairs(eval_rows)
+        return train, held, f"{note}\npairs: each solution ending in '#### N' preferred over " \
+                            "it ending in 'The answer is N.'"
+    fields = (cfg.prompt_field, cfg.chosen_field, cfg.rejected_field)
+    return ([pair_from_row(r, *fields) for r in train_rows],
+            [pair_from_row(r, *fields) for r in eval_rows], note)
+
+
+def batch_indices(step: int, cfg: Config, rows: int) -> list[int]:
+    """The pairs of `step`: a fresh seeded shuffle every epoch, so a resumed run sees exactly the
+    pairs the uninterrupted run would have."""
+    indices = []
+    for position in range(step * cfg.batch_size, (step + 1) * cfg.batch_size):
+        epoch, offset = divmod(position, rows)
+        order = torch.randperm(rows, generator=torch.Generator().manual_seed(cfg.seed + epoch))
+        indices.append(int(order[offset]))
+    return indices
+
+
+def heldout(algorithm: DPO, trainer: TrainEngine, eval_batch, eval_ref) -> dict[str, float]:
+    """Over every rank's share of the held-out pairs: the mean reward margin β·d, the fraction
+    of pairs with d > 0 and the mean loss (d = h(chosen) − h(rejected), h = Σ log π − log π_ref)."""
+    h = sequence_logratio(trainer.forward(eval_batch)["logprobs"], eval_ref,
+                          eval_batch["loss_mask"]).double()
+    chosen = eval_batch["chosen"]
+    d = h[chosen] - h[partners(eval_batch["group_ids"])[0]][chosen]
+    beta = algorithm.config.beta
+    loss = algorithm.pair_loss(d, beta, algorithm.config.label_smoothing)
+    totals = torch.tensor([beta * d.sum(), (d > 0).sum(), loss.sum(), len(d)],
+                          dtype=torch.float64)
+    dist.all_reduce(totals)
+    margin, accuracy, loss, pairs = totals.tolist()
+    return {"eval/margin": margin / pairs, "eval/accuracy": accuracy / pairs,
+            "eval/loss": loss / pairs}
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Config))
+    exit_process()  # skips interpreter finalization, which can abort after a good run
