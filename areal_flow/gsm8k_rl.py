@@ -85,6 +85,9 @@ class RLConfig(RunConfig):
                                       max_tokens_per_mb=512)
     """The critic's training settings, for an algorithm with the critic role (ppo): a value
     head on the policy's backbone."""
+    teacher: str | None = None
+    """The teacher model (a folder or a Hub name), for an algorithm with the teacher role
+    (distill): frozen, scored with --train's settings, and of the same tokenizer as --model."""
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -136,6 +139,12 @@ def algorithm(cfg: RLConfig) -> Any:
         raise ValueError(f"--rollout.group-size {cfg.rollout.group_size}: {cfg.algorithm_name} "
                          f"scores a row against the rest of its group, so it needs groups of "
                          f"{needs} or more")
+    if ("teacher" in built.roles) != (cfg.teacher is not None):
+        raise ValueError(
+            f"--algorithm {cfg.algorithm_name} learns from a teacher model: pass --teacher PATH "
+            "(a model of the same tokenizer as --model)" if cfg.teacher is None else
+            f"--teacher {cfg.teacher}: algorithm {cfg.algorithm_name} has no teacher role, so "
+            "the teacher would never be used: drop --teacher")
     return built
 
 
@@ -155,7 +164,8 @@ def run_name(cfg: RLConfig) -> str:
 
 
 def load_data(cfg: RLConfig, model: str, rank: int) -> tuple[list[dict], list[dict], str]:
-    """Rank 0 checks the model's config (`check_model`) and reads the train and eval rows, before
+    """Rank 0 checks the model's config (`check_model`), the teacher's tokenizer
+    (`check_teacher`), and reads the train and eval rows, before
     any rank loads weights; a bad --model or --dataset fails on every rank with rank 0's error.
     Other ranks get empty rows."""
     from areal_flow.data import offline
@@ -165,6 +175,8 @@ def load_data(cfg: RLConfig, model: str, rank: int) -> tuple[list[dict], list[di
     if rank == 0:
         try:
             check_model(cfg, model)
+            if cfg.teacher is not None:
+                check_teacher(cfg.teacher, model)
             rows = offline.train_eval_rows(cfg.dataset, cfg.eval_size)
         except Exception as exc:  # noqa: BLE001 - raised below, on every rank
             error = exc
@@ -190,6 +202,36 @@ def check_model(cfg: RLConfig, model: str) -> None:
     if positions is not None and cfg.sampling.max_new_tokens >= positions:
         raise ValueError(f"--sampling.max-new-tokens {cfg.sampling.max_new_tokens} leaves no "
                          f"room for a prompt in the model's {positions} positions")
+
+
+def check_teacher(teacher: str, model: str) -> None:
+    """--teacher names a model that scores the student's tokens as the student reads them: the
+    same tokenizer (every token string to the same id, special tokens included) and an embedding
+    over all of them. The embedding may be larger than the tokenizer (Qwen2.5-7B's pads 152064
+    rows, 0.5B's 151936: both have 151665 tokens, so a 7B teacher fits a 0.5B student)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    where = {}
+    for option, name in (("--teacher", teacher), ("--model", model)):
+        try:
+            where[option] = (AutoConfig.from_pretrained(name), AutoTokenizer.from_pretrained(name))
+        except (OSError, ValueError) as error:
+            raise ValueError(f"{option} {name}: no model config and tokenizer to check the "
+                             f"teacher against the student ({error})") from None
+    (t_config, t_tok), (s_config, s_tok) = where["--teacher"], where["--model"]
+    t_vocab, s_vocab = t_tok.get_vocab(), s_tok.get_vocab()
+    if t_vocab != s_vocab:
+        differ = sorted(set(t_vocab.items()) ^ set(s_vocab.items()), key=lambda kv: kv[1])
+        raise ValueError(
+            f"--teacher {teacher}: its tokenizer is not --model's ({len(t_vocab)} and "
+            f"{len(s_vocab)} tokens; first differing (token, id): {differ[:3]}): the teacher "
+            "scores the student's token ids, so both must share one tokenizer")
+    needed = max(s_vocab.values()) + 1
+    for option, name, config in (("--teacher", teacher, t_config), ("--model", model, s_config)):
+        rows = getattr(config, "vocab_size", None)
+        if rows is not None and rows < needed:
+            raise ValueError(f"{option} {name}: its embedding has {rows} rows, too few for the "
+                             f"tokenizer's ids 0..{needed - 1}")
 
 
 def workflow_config(cfg: RLConfig) -> Any:

@@ -25,7 +25,7 @@ NormalizerUnit = Literal["tokens", "sequences", "constant"]
 """How the runtime combines `LossOutput.normalizer` across micro-batches and ranks:
 tokens and sequences are summed; a constant is used as it is."""
 
-Role = Literal["actor", "ref", "critic"]
+Role = Literal["actor", "ref", "critic", "teacher"]
 
 BATCH_KEYS = (
     "input_ids",
@@ -367,7 +367,8 @@ class Algorithm(Protocol):
 
     ``roles`` names the models whose forward pass over the batch, before the update, it needs:
     ``actor`` → ``prox_logprobs`` (the policy before this update), ``ref`` → ``ref_logprobs``,
-    ``critic`` → ``values``. An algorithm with the ``critic`` role also defines
+    ``critic`` → ``values``, ``teacher`` → ``teacher_logprobs`` (a frozen teacher model of the
+    same tokenizer, e.g. for distillation). An algorithm with the ``critic`` role also defines
     ``critic_loss(out: ModelOutput, mb: TensorDict) -> LossOutput``.
 
     Batch keys besides the collated ones (`areal_flow.data.collate`): ``policy_version`` per row
@@ -386,7 +387,7 @@ class Algorithm(Protocol):
 
     def advantages(self, batch: TensorDict) -> TensorDict:
         """Once per batch, without gradients, after the role forwards have filled
-        ``ref_logprobs``/``values``/``prox_logprobs``."""
+        ``ref_logprobs``/``values``/``prox_logprobs``/``teacher_logprobs``."""
         ...
 
     def loss(self, out: ModelOutput, mb: TensorDict) -> LossOutput:

@@ -4,6 +4,7 @@ asynchronous rollouts against a generation pool, FSDP2 training, weight sync.
     python recipes/gsm8k_grpo.py                      # offline CPU default (packaged model + data)
     python recipes/gsm8k_grpo.py --help               # every option
     python recipes/gsm8k_grpo.py --algorithm ppo      # any registered algorithm (`areal-flow plugins`)
+    python recipes/gsm8k_grpo.py --algorithm distill --teacher BIGGER_MODEL   # on-policy distillation
     python recipes/gsm8k_grpo.py --dataset rows.jsonl --workflow my_task.solve \
         --algorithm my_task.rloo --algorithm.clip-eps 0.2    # a plugin's task, end to end
     torchrun --nproc-per-node 8 recipes/gsm8k_grpo.py --model Qwen/Qwen2.5-1.5B-Instruct \
@@ -59,6 +60,8 @@ def main(cfg: Config) -> None:
     trainer = TrainEngine(model, cfg.train)
     ref = TrainEngine(model, cfg.train, trainable=False) if "ref" in algorithm.roles else None
     critic = TrainEngine(model, cfg.critic, value=True) if "critic" in algorithm.roles else None
+    teacher = TrainEngine(cfg.teacher, cfg.train, trainable=False) \
+        if "teacher" in algorithm.roles else None  # --teacher, checked in load_data
     start, extra = run.load_checkpoint(trainer, critic=critic) if cfg.resume else (0, None)
 
     pool = scheduler = rewards = None
@@ -66,6 +69,7 @@ def main(cfg: Config) -> None:
         "reward/mean": "reward", "task_metrics": "",  # the task's own numbers, e.g. accuracy
         "reward/flat_group_fraction": "flat groups", "response_length/mean": "length",
         **({"critic/value_loss": "value loss"} if critic else {}),
+        **({"distill/reverse_kl": "reverse KL"} if teacher else {}),
         "eval/reward": "eval reward", "eval/task_metrics": "eval ",
         "reward_runner/failure_rate": "reward fails", "tokens_per_second": "tok/s",
         "staleness/mean": "staleness", "seconds/step": "s/step"})
@@ -113,8 +117,8 @@ def main(cfg: Config) -> None:
                                   f"--run-dir {run.path}")
                     break
                 rolled = time.perf_counter()
-                # role forwards (critic values, ref logprobs) → advantages → update(s)
-                stats = trainer.train(batch, algorithm, critic=critic, ref=ref)
+                # role forwards (critic values, ref and teacher logprobs) → advantages → update(s)
+                stats = trainer.train(batch, algorithm, critic=critic, ref=ref, teacher=teacher)
                 trained = time.perf_counter()
                 sync = trainer.sync_weights(pool, step + 1, folder=weights)
                 if scheduler is not None:

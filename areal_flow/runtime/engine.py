@@ -176,18 +176,20 @@ class TrainEngine:
     # -- training -----------------------------------------------------------------------
 
     def train(self, batch: TensorDict | None, algorithm: Algorithm, *,
-              critic: TrainEngine | None = None, ref: TrainEngine | None = None) -> dict:
+              critic: TrainEngine | None = None, ref: TrainEngine | None = None,
+              teacher: TrainEngine | None = None) -> dict:
         """One batch: scatter, role forwards, advantages (rank 0), then optimizer steps.
 
         Rank 0 passes the full batch; other ranks pass None. If rank 0 passes an exception
         (its rollout failed), every rank raises it instead of waiting forever.
         """
-        engines = {"actor": self, "ref": ref, "critic": critic}
+        engines = {"actor": self, "ref": ref, "critic": critic, "teacher": teacher}
         missing = [role for role in algorithm.roles if engines[role] is None]
         if missing:
             raise ValueError(f"{type(algorithm).__name__} needs a model for the role(s) "
                              f"{missing}: pass train(..., ref=TrainEngine(path, config, "
-                             "trainable=False)) / critic=TrainEngine(path, config, value=True)")
+                             "trainable=False)) / critic=TrainEngine(path, config, value=True) / "
+                             "teacher=TrainEngine(teacher_path, config, trainable=False)")
         if isinstance(batch, TensorDict):
             # a shallow copy (the caller's batch keeps its keys) without the episodes' info,
             # which is for samples.jsonl and never leaves rank 0
@@ -195,7 +197,7 @@ class TrainEngine:
             batch["minibatch"] = minibatch_of_rows(batch["group_ids"], self.config.ppo_minibatches)
         shard, owned = scatter_groups(batch, self.rank, self.world_size)
         outputs = {"actor": ("prox_logprobs", "logprobs"), "ref": ("ref_logprobs", "logprobs"),
-                   "critic": ("values", "values")}
+                   "critic": ("values", "values"), "teacher": ("teacher_logprobs", "logprobs")}
         for role in algorithm.roles:
             key, field = outputs[role]
             shard[key] = engines[role].forward(shard)[field]
