@@ -87,6 +87,28 @@ class PolicyLossConfig:
     of the current version take pi_behav (the same weights, as the inference engine computed
     them), stale tokens take pi_theta on the first mini-batch (exact) and a log-linear
     interpolation in versions on later ones (approximate); see F.interpolate_proximal."""
+    mismatch_correction: Literal[
+        "none", "tis", "token_mask", "sequence_mask", "geometric_mask"] = attrs.field(
+        default="none",
+        validator=v.in_(("none", "tis", "token_mask", "sequence_mask", "geometric_mask")))
+    """Correct the inference engine's logprobs differing from the trainer's at the same weights,
+    on the tokens where both are known (sampled by the version being trained; without
+    recompute_proximal only on the first mini-batch). tis: there pi_prox := pi_train and the
+    behavior weight becomes min(pi_train / pi_rollout, mismatch_cap). token_mask: zero loss for
+    a token whose ratio is outside mismatch_band; sequence_mask: for the whole row when any of
+    its tokens is; geometric_mask: when the row's geometric-mean ratio is. See
+    docs/algorithms.md, "Rollout/training mismatch"."""
+    mismatch_cap: float = attrs.field(default=2.0, validator=v.gt(1.0))
+    """C: tis truncates pi_train / pi_rollout at C; mismatch/outside_cap_fraction counts the
+    ratios outside [1/C, C] whatever the correction."""
+    mismatch_band: tuple[float, float] = attrs.field(default=(0.5, 2.0))
+    """(low, high), 0 < low < 1 < high: the masks drop ratios pi_train / pi_rollout outside it."""
+
+    @mismatch_band.validator
+    def _check_band(self, attribute: attrs.Attribute, value: tuple[float, float]) -> None:
+        if len(value) != 2 or not 0 < value[0] < 1 < value[1]:
+            raise ValueError(f"'mismatch_band' must be (low, high) with 0 < low < 1 < high: "
+                             f"{value!r}")
 
 
 @attrs.frozen(kw_only=True)

@@ -100,7 +100,8 @@ def cli_output(args: list[str]) -> tuple[int, str]:
 
 
 def test_help_shows_every_field_with_its_help_text_and_default(monkeypatch):
-    monkeypatch.setenv("COLUMNS", "400")
+    # under 130 columns: one column of groups (side by side, their lines would interleave)
+    monkeypatch.setenv("COLUMNS", "120")
     code, text = cli_output(["--help"])
     assert code == 0
     for section, cls in [("rollout", RolloutConfig), ("loss", PolicyLossConfig),

@@ -8,6 +8,7 @@ garbage): the losses zero them with `masked` before any exp, so they give 0, nev
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -196,25 +197,25 @@ def decoupled_policy_loss(logp: Tensor, mb, config) -> tuple[Tensor, dict[str, T
     """AReaL's decoupled PPO loss per token for a micro-batch `mb`, and stats that show it:
         L = w · max(−ρA, −clip(ρ, 1 − ε_low, 1 + ε_high) A)  (+ dual clip),
         ρ = π_θ / π_prox,   w = min(π_prox / π_behav, cap)   (w carries no gradient)
-    `config` is a `PolicyLossConfig`; π_behav, π_prox as `behavior_and_proximal` gives them.
+    `config` is a `PolicyLossConfig`; π_behav, π_prox as `behavior_and_proximal` gives them, and
+    w, π_prox as `behavior_weight` changes them for `config.mismatch_correction`.
     """
     mask = mb["loss_mask"]
     logp = masked(logp, mask)
-    behav, prox = behavior_and_proximal(logp, mb)
-    weight, capped = importance_weight(prox, behav, config.importance_weight_cap)
+    behav, prox, weight, capped, stats = behavior_weight(logp, mb, config)
     surrogate, clipped = ppo_surrogate(logp, prox, masked(mb["advantages"], mask),
                                        eps_low=config.eps_clip, eps_high=config.eps_clip_high,
                                        dual_clip=config.dual_clip)
     with torch.no_grad():
         n = mask.sum().clamp(min=1)
-        stats = {
+        stats |= {
             "clip_fraction": (clipped & mask).sum() / n,
             "importance_weight_mean": (weight * mask).sum() / n,
             "importance_weight_max": (weight * mask).max(),
             "capped_fraction": (capped & mask).sum() / n,
             "approx_kl": ((behav - logp) * mask).sum() / n,
         }
-    return weight.detach() * surrogate, stats
+    return weight * surrogate, stats
 
 
 def behavior_and_proximal(logp: Tensor, mb) -> tuple[Tensor, Tensor]:
@@ -227,6 +228,120 @@ def behavior_and_proximal(logp: Tensor, mb) -> tuple[Tensor, Tensor]:
         return behav, masked(mb["prox_logprobs"], mask)
     return behav, interpolate_proximal(behav, logp, mb["versions"], mb["policy_version"],
                                        mb["minibatch_progress"])
+
+
+def rollout_mismatch(logp: Tensor, mb) -> tuple[Tensor, Tensor]:
+    """(log π_train, known): the trainer's logprob of each token at the weights that sampled it,
+    where that is known exactly, and where (0 elsewhere). π_rollout = `mb["logprobs"]` is the
+    inference engine's logprob at the same weights, so log π_train − log π_rollout there is pure
+    numerical mismatch (kernels, dtype, batching), no policy change.
+
+    Known: loss tokens of the version being trained (`versions == policy_version`: the trainer
+    holds exactly those weights until this batch's first optimizer step), taking
+    `mb["prox_logprobs"]` when recomputed (a forward pass before the update: every mini-batch),
+    else `logp` (detached) on the first mini-batch only (`minibatch_progress == 0`). Stale tokens
+    came from weights the trainer no longer has: never known. Without `versions` or
+    `policy_version` in `mb` (a hand-built micro-batch) nothing is."""
+    mask = mb["loss_mask"]
+    keys = mb.keys()
+    if "versions" not in keys or "policy_version" not in keys:
+        return torch.zeros_like(logp), torch.zeros_like(mask)
+    known = mask & (mb["versions"] == mb["policy_version"][:, None])
+    if "prox_logprobs" in keys:
+        train = mb["prox_logprobs"]
+    else:
+        train = logp.detach()
+        known = known & (mb["minibatch_progress"] == 0)[:, None]
+    return masked(train, known), known
+
+
+def _outside(log_ratio: Tensor, known: Tensor, band: tuple[float, float]) -> Tensor:
+    return known & ((log_ratio < math.log(band[0])) | (log_ratio > math.log(band[1])))
+
+
+def drop_nothing(log_ratio: Tensor, known: Tensor, band: tuple[float, float]) -> Tensor:
+    return torch.zeros_like(known)
+
+
+def drop_tokens(log_ratio: Tensor, known: Tensor, band: tuple[float, float]) -> Tensor:
+    """The known tokens whose r = exp(`log_ratio`) is outside `band` = [low, high]."""
+    return _outside(log_ratio, known, band)
+
+
+def drop_sequences(log_ratio: Tensor, known: Tensor, band: tuple[float, float]) -> Tensor:
+    """Every token of a row one of whose known tokens has r outside `band`."""
+    return _outside(log_ratio, known, band).any(-1, keepdim=True).expand_as(known)
+
+
+def drop_geometric(log_ratio: Tensor, known: Tensor, band: tuple[float, float]) -> Tensor:
+    """Every token of a row whose geometric-mean r over its known tokens, exp(mean log r), is
+    outside `band`; a row without known tokens is kept."""
+    count = known.sum(-1, keepdim=True)
+    mean = masked(log_ratio, known).sum(-1, keepdim=True) / count.clamp(min=1)
+    return _outside(mean, count > 0, band).expand_as(known)
+
+
+def decoupled_weight(prox: Tensor, behav: Tensor, train: Tensor, known: Tensor,
+                     config) -> tuple[Tensor, Tensor, Tensor]:
+    """(log π_prox, w, capped) of decoupled PPO: w = min(π_prox/π_behav, importance_weight_cap)."""
+    return prox, *importance_weight(prox, behav, config.importance_weight_cap)
+
+
+def truncated_weight(prox: Tensor, behav: Tensor, train: Tensor, known: Tensor,
+                     config) -> tuple[Tensor, Tensor, Tensor]:
+    """TIS on the known tokens: π_prox := π_train and w = min(π_train/π_rollout, mismatch_cap);
+    `decoupled_weight` elsewhere."""
+    prox = torch.where(known, train, prox)
+    _, weight, capped = decoupled_weight(prox, behav, train, known, config)
+    tis, tis_capped = importance_weight(prox, behav, config.mismatch_cap)
+    return prox, torch.where(known, tis, weight), torch.where(known, tis_capped, capped)
+
+
+MISMATCH_CORRECTIONS = {
+    "none": (decoupled_weight, drop_nothing),
+    "tis": (truncated_weight, drop_nothing),
+    "token_mask": (decoupled_weight, drop_tokens),
+    "sequence_mask": (decoupled_weight, drop_sequences),
+    "geometric_mask": (decoupled_weight, drop_geometric),
+}
+"""(weight, drop) of each `PolicyLossConfig.mismatch_correction`: the behavior weight, and the
+tokens whose loss is zeroed, from r = π_train/π_rollout on the known tokens."""
+
+
+def behavior_weight(logp: Tensor, mb, config) -> tuple[Tensor, Tensor, Tensor, Tensor, dict]:
+    """(log π_behav, log π_prox, w, capped, stats): the behavior weight w (no gradient) that the
+    policy surrogate and the KL term carry, with `config.mismatch_correction` applied, and the
+    `mismatch/...` stats of the micro-batch. `logp` is already masked. On the tokens where
+    π_train is known (`rollout_mismatch`), r = π_train/π_rollout, C = `mismatch_cap`:
+        none:         w = min(π_prox/π_behav, importance_weight_cap)    (`decoupled_weight`)
+        tis:          π_prox := π_train and w = min(r, C) on known tokens; none's elsewhere
+        *_mask:       none's w, times 0 on the tokens `drop_tokens`/`_sequences`/`_geometric` drop
+    With π_prox recomputed, none's w on a known token already is min(r, cap): tis then only caps
+    it at C; without, none's w there is 1 (π_prox := π_behav) and tis is what corrects it."""
+    mask = mb["loss_mask"]
+    weigh, drop = MISMATCH_CORRECTIONS[config.mismatch_correction]
+    behav, prox = behavior_and_proximal(logp, mb)
+    train, known = rollout_mismatch(logp, mb)
+    if drop is not drop_nothing or weigh is not decoupled_weight:
+        if not {"versions", "policy_version"} <= set(mb.keys()):
+            raise ValueError(f"mismatch_correction {config.mismatch_correction!r} needs the "
+                             "batch keys 'versions' and 'policy_version' (set by the scheduler)")
+    log_ratio = train - masked(mb["logprobs"], known)  # 0 off `known`
+    prox, weight, capped = weigh(prox, behav, train, known, config)
+    dropped = drop(log_ratio, known, config.mismatch_band)
+    weight = torch.where(dropped, 0.0, weight).detach()
+    with torch.no_grad():
+        n, m = mask.sum().clamp(min=1), known.sum()
+        size = log_ratio.abs()
+        stats = {
+            "mismatch/measured_fraction": m / n,
+            "mismatch/abs_log_ratio_mean": size.sum() / m.clamp(min=1),
+            "mismatch/abs_log_ratio_max": size.max() if size.numel() else size.sum(),
+            "mismatch/outside_cap_fraction":
+                (known & (size > math.log(config.mismatch_cap))).sum() / m.clamp(min=1),
+            "mismatch/masked_fraction": (mask & dropped).sum() / n,
+        }
+    return behav, prox, weight, capped, stats
 
 
 def actor_loss(out, mb, config):
@@ -242,8 +357,7 @@ def actor_loss(out, mb, config):
     per_token, stats = decoupled_policy_loss(out.logprobs, mb, config.loss)
     if config.kl_coef > 0 and not config.kl_in_reward:
         logp = masked(out.logprobs, mask)
-        behav, prox = behavior_and_proximal(logp, mb)
-        weight, _ = importance_weight(prox, behav, config.loss.importance_weight_cap)
+        _, prox, weight, _, _ = behavior_weight(logp, mb, config.loss)
         kl = kl_loss(logp, masked(mb["ref_logprobs"], mask), prox, weight)
         per_token = per_token + config.kl_coef * kl
         stats["kl_ref"] = (kl.detach() * mask).sum() / n  # ≈ KL(π_θ‖π_ref) per token

@@ -6,7 +6,9 @@ the advantage (never through the task reward's std, nor hiding a flat group):
     kl_in_reward:  A_i = Â_g(r)_i − β (K_i − mean_g K),   K_i = Σ_t k(log π_old, log π_ref)_t
 loss per model token (π_θ current, π_prox the policy before this update, π_behav the policy that
 generated the token):
-    w = min(π_prox / π_behav, cap)                         (behavior correction, always applied)
+    w = min(π_prox / π_behav, cap)                         (behavior correction, always applied;
+        `PolicyLossConfig.mismatch_correction` changes it on tokens of the trained version: TIS
+        min(π_train / π_rollout, C) or a mask, see `F.behavior_weight`; `mismatch/...` stats)
     L = w · max(−ρA, −clip(ρ, 1 − ε_low, 1 + ε_high) A),  ρ = π_θ / π_prox   (+ dual clip)
       + β · w ρ k3 − c_H · H(π_θ)            (KL term `F.kl_loss`: gradient β ∇KL(π_θ ‖ π_ref))
 aggregated per token or per sequence (`PolicyLossConfig.aggregation`).

@@ -7,7 +7,8 @@ last model token, minus β·k_t on every model token when the KL penalty goes in
     A ← (A − mean(A)) / std(A) over the batch's model tokens (optional)
 actor loss per model token: the decoupled clipped surrogate shared with GRPO
     L = w · max(−ρA, −clip(ρ, 1 − ε_low, 1 + ε_high) A) [+ β·w ρ k3] − c_H·H_t
-(the KL term is `F.kl_loss`, gradient β ∇KL(π_θ ‖ π_ref))
+(the KL term is `F.kl_loss`, gradient β ∇KL(π_θ ‖ π_ref); w with the rollout/training
+mismatch correction `loss.mismatch_correction`, `F.behavior_weight`, and `mismatch/...` stats)
 critic loss per model token (V_old = the critic's values before the update):
     L_V = ½ max((V − R)², (V_old + clip(V − V_old, −ε_V, ε_V) − R)²)
 """
