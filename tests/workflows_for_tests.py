@@ -31,3 +31,20 @@ class NoRewardConfig:
 async def no_reward_option(ctx, sample):
     """A workflow whose config has no `reward` field: --reward cannot apply to it."""
     return None
+
+
+@attrs.frozen
+class JudgedConfig:
+    rubric: str = "Full marks for a correct answer with its working shown."
+    judge_max_new_tokens: int = 8
+
+
+@workflow("tests.judged", config=JudgedConfig)
+async def judged(ctx, sample):
+    """One turn, rewarded by an LLM judge (the policy itself, through ctx.judge)."""
+    cfg = ctx.config or JudgedConfig()
+    prompt = ctx.chat([{"role": "user", "content": sample["question"]}])
+    out = await ctx.generate(prompt)
+    score = await ctx.judge(cfg.rubric, out.text, question=sample["question"],
+                            max_new_tokens=cfg.judge_max_new_tokens)
+    return ctx.episode(prompt, out, reward=score)

@@ -138,6 +138,35 @@ class RolloutContext:
             self.metrics.update(spec.metrics(*args, **kwargs))
         return score
 
+    async def judge(self, rubric: str, completion: str, *, question: str | None = None,
+                    pool: GenerationPool | None = None, tokenizer: Any = None,
+                    scale: tuple[float, float] = (0, 10), timeout: float = 30.0,
+                    default: float = 0.0, **sampling: Any) -> float:
+        """An LLM's grade of `completion` by `rubric`, in [0, 1] (`areal_flow.reward.judge`).
+
+        The judge (the policy's pool, or `pool` with its `tokenizer`) is asked to end with
+        ``Score: N``, N within `scale`; its last such line is mapped to [0, 1]. No score, one
+        outside `scale`, or no reply within `timeout` seconds scores `default`. Greedy unless
+        `sampling` (e.g. ``temperature=0.7, max_new_tokens=256``) says otherwise. Its tokens never
+        enter the episode. `self.metrics` gets the fraction of this episode's judge calls that
+        parsed (`judge_parsed`), were out of range (`judge_out_of_range`), timed out
+        (`judge_timeout`)."""
+        from areal_flow.reward.judge import Judge
+
+        return await Judge(pool=pool, tokenizer=tokenizer, scale=scale, timeout=timeout,
+                           default=default, sampling=sampling)(self, rubric, completion,
+                                                               question=question)
+
+    async def reward_model(self, messages_or_text: str | list[dict[str, Any]], *,
+                           model: Any) -> float:
+        """A learned reward model's score of a chat (messages, rendered with its chat template)
+        or a text (`areal_flow.reward.reward_model`). `model` is a `RewardModel` or the path of
+        one, loaded once per process; concurrent calls are scored in one batch."""
+        from areal_flow.reward.reward_model import RewardModel, load
+
+        rm = model if isinstance(model, RewardModel) else load(model)
+        return await rm.score(messages_or_text)
+
     def openai_client(self) -> Any:
         """An `openai.AsyncOpenAI` for this episode: `chat.completions.create` generates with
         the pool (messages, tools, n, temperature, top_p, max_tokens, stop, seed) and records
