@@ -17,6 +17,7 @@ chat template's own rendering of `tools`.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import secrets
@@ -115,15 +116,15 @@ class Recorder:
         stops = [stops] if isinstance(stops, str) else list(stops)
         parent, prompt_ids = self._prompt(messages, tools)
         choices, completion_tokens = [], 0
-        for index in range(int(body.get("n") or 1)):
-            out = await self.ctx.generate(prompt_ids, **overrides)
-            for stop in stops:  # the earliest stop string ends the reply (its tokens kept)
-                cut = self.ctx.stop_at(out, stop)
-                if len(cut.token_ids) < len(out.token_ids):
-                    out = cut
+        n = int(body.get("n") or 1)  # the choices generate at once; seeds are taken in order
+        outs = await asyncio.gather(*(self.ctx.generate(prompt_ids, **overrides)
+                                      for _ in range(n)))
+        for index, out in enumerate(outs):
             text = self.ctx.tokenizer.decode(out.token_ids, skip_special_tokens=True)
-            for stop in stops:
-                text = text.split(stop, 1)[0] if stop in text else text
+            found = [(text.find(stop), stop) for stop in stops if stop in text]
+            if found:  # the earliest stop string ends the reply: its tokens kept, its text not
+                at, stop = min(found)
+                out, text = self.ctx.stop_at(out, stop), text[:at]
             reply, reason = parse_reply(text, out.finish_reason)
             self.calls.append(Call(messages, tools, list(prompt_ids), out, text, reply, parent))
             choices.append({"index": index, "message": reply, "finish_reason": reason,
@@ -136,11 +137,7 @@ class Recorder:
                           "total_tokens": len(prompt_ids) + completion_tokens}}
 
     def _sampling(self, body: dict[str, Any]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for ours, theirs in (("temperature", "temperature"), ("top_p", "top_p"),
-                             ("seed", "seed")):
-            if body.get(theirs) is not None:
-                out[ours] = body[theirs]
+        out = {k: body[k] for k in ("temperature", "top_p", "seed") if body.get(k) is not None}
         limit = body.get("max_completion_tokens") or body.get("max_tokens")
         if limit is not None:
             out["max_new_tokens"] = int(limit)
@@ -275,8 +272,8 @@ def _events(response: dict[str, Any], body: dict[str, Any]):
     head = {key: response[key] for key in ("id", "created", "model")}
     for choice in response["choices"]:
         delta = {k: v for k, v in choice["message"].items() if v is not None}
-        for i, call in enumerate(delta.get("tool_calls", [])):
-            delta["tool_calls"][i] = {"index": i, **call}
+        if "tool_calls" in delta:  # new dicts: the recorded reply keeps its own
+            delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(delta["tool_calls"])]
         yield _sse({**head, "object": "chat.completion.chunk", "choices": [
             {"index": choice["index"], "delta": delta, "finish_reason": choice["finish_reason"],
              "logprobs": None}]})

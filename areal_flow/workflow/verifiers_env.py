@@ -97,8 +97,9 @@ async def verifiers(ctx: RolloutContext, sample: dict):
     import verifiers.v1 as vf
 
     cfg = ctx.config or VerifiersConfig()
-    env = vf.load_environment(_env_config(cfg.key()))  # one an episode: serving() state is on it
-    task = _task(env, cfg.key(), sample)
+    key = cfg.key()
+    env = vf.load_environment(_env_config(key))  # one an episode: serving() state is on it
+    task = _task(env, key, sample)
     access = await ctx.openai_server()
     var = "AREAL_FLOW_API_KEY_" + access.api_key.replace("-", "_").upper()  # verifiers reads
     os.environ[var] = access.api_key  # a key from the environment; each episode has its own
