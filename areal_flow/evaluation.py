@@ -6,6 +6,7 @@ and `samples` sampled ones per row; it reports greedy pass@1, the unbiased pass@
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -71,15 +72,10 @@ class EvalConfig:
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     """The unbiased estimate of pass@k from `c` correct of `n` samples, 1 - C(n-c, k) / C(n, k)
-    (Chen et al. 2021, HumanEval), as the product 1 - prod_{i=n-c+1..n} (1 - k/i)."""
+    (Chen et al. 2021, HumanEval), in exact integers (C(n-c, k) = 0 when k > n - c)."""
     if not (0 <= c <= n and 1 <= k <= n):
         raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n: n={n}, c={c}, k={k}")
-    if n - c < k:  # every k-subset holds a correct sample
-        return 1.0
-    product = 1.0
-    for i in range(n - c + 1, n + 1):
-        product *= 1.0 - k / i
-    return 1.0 - product
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
 def ks(cfg: EvalConfig) -> list[int]:

@@ -34,6 +34,7 @@ from areal_flow.run import LiveDisplay, RunConfig, RunDir, StopRequest, peak_rss
 from areal_flow.runtime.distributed import (any_rank, exit_process, init_distributed,
                                             same_on_all_ranks, shutdown_distributed)
 from areal_flow.runtime.engine import TrainConfig, TrainEngine
+from gsm8k_sft import batch_indices  # the script's folder is on sys.path
 
 
 @attrs.frozen(kw_only=True)
@@ -139,17 +140,6 @@ def preference_pairs(cfg: Config) -> tuple[list, list, str]:
     fields = (cfg.prompt_field, cfg.chosen_field, cfg.rejected_field)
     return ([pair_from_row(r, *fields) for r in train_rows],
             [pair_from_row(r, *fields) for r in eval_rows], note)
-
-
-def batch_indices(step: int, cfg: Config, rows: int) -> list[int]:
-    """The pairs of `step`: a fresh seeded shuffle every epoch, so a resumed run sees exactly the
-    pairs the uninterrupted run would have."""
-    indices = []
-    for position in range(step * cfg.batch_size, (step + 1) * cfg.batch_size):
-        epoch, offset = divmod(position, rows)
-        order = torch.randperm(rows, generator=torch.Generator().manual_seed(cfg.seed + epoch))
-        indices.append(int(order[offset]))
-    return indices
 
 
 def heldout(algorithm: DPO, trainer: TrainEngine, eval_batch, eval_ref) -> dict[str, float]:

@@ -15,6 +15,8 @@ from __future__ import annotations
 import math
 import time
 
+from typing import Any
+
 import attrs
 import torch
 import torch.distributed as dist
@@ -122,15 +124,13 @@ def conversation(cfg: Config, row: dict) -> list[dict[str, str]]:
             {"role": "assistant", "content": str(row[cfg.answer_field])}]
 
 
-def batch_indices(step: int, cfg: Config, rows: int) -> list[int]:
-    """The rows of `step`: a fresh seeded shuffle every epoch, so a resumed run sees exactly the
-    rows the uninterrupted run would have."""
-    indices = []
-    for position in range(step * cfg.batch_size, (step + 1) * cfg.batch_size):
-        epoch, offset = divmod(position, rows)
-        order = torch.randperm(rows, generator=torch.Generator().manual_seed(cfg.seed + epoch))
-        indices.append(int(order[offset]))
-    return indices
+def batch_indices(step: int, cfg: Any, rows: int) -> list[int]:
+    """The rows of `step` (`cfg.batch_size` of them): a fresh seeded shuffle every epoch, so a
+    resumed run sees exactly the rows the uninterrupted run would have."""
+    positions = range(step * cfg.batch_size, (step + 1) * cfg.batch_size)
+    orders = {epoch: torch.randperm(rows, generator=torch.Generator().manual_seed(cfg.seed + epoch))
+              for epoch in {position // rows for position in positions}}  # one shuffle an epoch
+    return [int(orders[position // rows][position % rows]) for position in positions]
 
 
 def heldout_nll(trainer: TrainEngine, eval_batch) -> float:

@@ -58,21 +58,6 @@ class DistillConfig:
     the sequence-level reverse KL, higher variance)."""
 
 
-def discounted_to_go(values: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
-    """out_t = Σ_{s ≥ t} γ^{s−t} x_s over the masked positions of each row (the later turns of a
-    multi-turn row included, the tokens between them skipped); 0 off `mask`."""
-    values = F.masked(values, mask).float()
-    if gamma == 0:
-        return values
-    out = torch.zeros_like(values)
-    running = torch.zeros(len(values))
-    for t in reversed(range(values.shape[1])):  # one column at a time, all rows at once
-        live = mask[:, t]
-        running = torch.where(live, values[:, t] + gamma * running, running)
-        out[:, t] = torch.where(live, running, 0.0)
-    return out
-
-
 @algorithm("distill", config=DistillConfig)
 class OnPolicyDistillation:
     skips_zero_advantage_rows = True  # every term of the loss is multiplied by A
@@ -88,7 +73,8 @@ class OnPolicyDistillation:
         mask = batch["loss_mask"]
         old = batch["prox_logprobs"] if "prox_logprobs" in batch.keys() else batch["logprobs"]
         kl = F.masked(old, mask) - F.masked(batch["teacher_logprobs"], mask)
-        adv = -discounted_to_go(kl, mask, c.kl_discount)
+        # −Σ_{s≥t} γ^(s−t) k_s over the row's later model tokens: GAE with V = 0 and λ = 1
+        adv = -F.gae(kl, torch.zeros_like(kl), mask, gamma=c.kl_discount)[0]
         if c.task_weight > 0:
             task = F.group_advantages(batch["rewards"].float(), batch["group_ids"])
             adv = adv + c.task_weight * task[:, None] * mask

@@ -46,7 +46,7 @@ def collate_groups(groups: Sequence[Sequence[Episode]], pad_token_id: int = 0) -
         {
             # the task's numbers per row, NaN where an episode did not report one
             "metrics": TensorDict(metrics, batch_size=[n]),
-            # free-form, for samples.jsonl; train() leaves it on rank 0
+            # free-form, for samples.jsonl; train() leaves it and `metrics` on rank 0
             "info": NonTensorStack(*(ep.info for _, ep in rows)),
             "input_ids": input_ids,
             "attention_mask": attention_mask,

@@ -164,8 +164,9 @@ def _tally(ctx: Any) -> Counter:
 def _chat_ids(tokenizer: Any, text: str) -> list[int]:
     messages = [{"role": "user", "content": text}]
     if getattr(tokenizer, "chat_template", None):
-        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
+        from areal_flow.workflow.context import _ids
+
+        ids = _ids(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
     else:  # a base model: the prompt as plain text
         ids = tokenizer.encode(text)
     return [int(t) for t in ids]

@@ -191,9 +191,9 @@ class TrainEngine:
                              "trainable=False)) / critic=TrainEngine(path, config, value=True) / "
                              "teacher=TrainEngine(teacher_path, config, trainable=False)")
         if isinstance(batch, TensorDict):
-            # a shallow copy (the caller's batch keeps its keys) without the episodes' info,
-            # which is for samples.jsonl and never leaves rank 0
-            batch = batch.exclude("info")
+            # a shallow copy (the caller's batch keeps its keys) without the episodes' info and
+            # task metrics: they are for metrics.jsonl and samples.jsonl and never leave rank 0
+            batch = batch.exclude("info", "metrics")
             batch["minibatch"] = minibatch_of_rows(batch["group_ids"], self.config.ppo_minibatches)
         shard, owned = scatter_groups(batch, self.rank, self.world_size)
         outputs = {"actor": ("prox_logprobs", "logprobs"), "ref": ("ref_logprobs", "logprobs"),
