@@ -101,6 +101,7 @@ def serve(
     weight_version: int | None = None,
     health_delay: float = 0.0,
     health_timeout: float = 20.0,
+    enable_lora: bool = False,
 ) -> int:
     """Serve a model with the local engine behind SGLang's HTTP protocol (the part areal_flow
     uses), for CPU machines and tests where SGLang cannot run. Ready when GET /health answers 200.
@@ -117,12 +118,14 @@ def serve(
             reports "default", as SGLang does.
         health_delay: Seconds a health check waits before its one-token generation (SGLang: 1).
         health_timeout: Seconds after which a health check (e.g. held by a pause) answers 503.
+        enable_lora: Serve LoRA adapters (/load_lora_adapter, /unload_lora_adapter, and
+            lora_path on /generate), as SGLang's --enable-lora.
     """
     from areal_flow.inference.server import serve as run_server
 
     run_server(model, host=host, port=port, dtype=dtype, max_batch_size=max_batch_size, seed=seed,
                device=device, weight_version=weight_version, health_delay=health_delay,
-               health_timeout=health_timeout)
+               health_timeout=health_timeout, enable_lora=enable_lora)
     return 0
 
 

@@ -163,6 +163,11 @@ class WeightUpdate:
     """`state_dict` holds the trainer's own tensors, which it changes in place: an in-process
     pool may keep them instead of copying (its `update_weights` returns True), and the trainer
     then pauses it before each optimizer step; the next update resumes it (`TrainEngine`)."""
+    lora: Mapping[str, Any] | None = None
+    """A PEFT LoRA config: the weights are a LoRA adapter over the base model the pool started
+    with (`areal_flow/lora.py`), not the model itself: `path` is a PEFT adapter folder (SGLang's
+    ``/load_lora_adapter``), `state_dict` holds the adapter tensors (and may hold the base
+    model's too, when `live`)."""
 
     def __attrs_post_init__(self) -> None:
         given = [f for f in ("state_dict", "path", "dist_meta") if getattr(self, f) is not None]
@@ -190,8 +195,10 @@ class GenerationPool(Protocol):
 
     @classmethod
     def from_config(cls, config: Any, *, model: str, seed: int = 0,
-                    run_dir: Any = None) -> GenerationPool:
-        """Build the pool a recipe's `areal_flow.config.InferenceConfig` describes."""
+                    run_dir: Any = None, lora: Any = None) -> GenerationPool:
+        """Build the pool a recipe's `areal_flow.config.InferenceConfig` describes; `lora` is
+        the trainer's `areal_flow.lora.LoraConfig` when it trains LoRA adapters (passed only
+        then), whose adapters the pool will receive as `WeightUpdate.lora`."""
         ...
 
     @property

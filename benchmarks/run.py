@@ -26,7 +26,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 BENCH_PYTHON = ROOT / ".venv-bench" / "bin" / "python"
 # cheapest first, so a broken environment shows up early
-MODULES = ("scheduler", "engine", "training", "train_step", "async_sync", "overlap", "trl_grpo")
+MODULES = ("scheduler", "engine", "training", "train_step", "lora_sync", "async_sync", "overlap",
+           "trl_grpo")
 
 
 def bench_python() -> Path:

@@ -80,7 +80,9 @@ def main(cfg: Config) -> None:
         run.write_config(cfg)
         run.start_loggers(cfg.logger, cfg, start)
         pool = pool_class.from_config(cfg.inference, model=model, seed=cfg.seed,
-                                      run_dir=run.path)
+                                      run_dir=run.path,
+                                      **({"lora": cfg.train.lora} if cfg.train.lora.enabled
+                                         else {}))  # servers start with LoRA enabled
         rewards = RewardRunner(max_failure_rate=cfg.reward_failure_limit)
         scheduler = RolloutScheduler(
             pool=pool, workflow=cfg.workflow, dataset=train_rows,

@@ -67,7 +67,7 @@ def test_weight_sync_makes_the_local_engine_match_the_trainer(world, tiny_model_
     pool = LocalEngine(tiny_model_dir)
     try:
         seconds = trainer.sync_weights(pool, 1)
-        assert set(seconds) == {"sync/gather_seconds", "sync/send_seconds"}
+        assert set(seconds) == {"sync/gather_seconds", "sync/send_seconds", "sync/bytes"}
         prompt = batch["input_ids"][0, :6].tolist()
         out = asyncio.run(pool.generate(GenerationRequest(
             input_ids=prompt, sampling=SamplingParams(max_new_tokens=8, temperature=0.8,

@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import attrs
 import httpx
@@ -111,6 +111,17 @@ def serve_command(launcher: SGLangLauncher, slot: ServerSlot, *, dtype: str | No
         if value is not None:
             argv += [flag, str(value)]
     return [*argv, *launcher.extra_args]
+
+
+def lora_args(program: str, lora: Any = None) -> tuple[str, ...]:
+    """A server's options for the trainer's LoRA (`areal_flow.lora.LoraConfig`; none without):
+    SGLang sizes its adapter memory pool at start, for the rank and modules given."""
+    if lora is None or not lora.enabled:
+        return ()
+    if program == "areal-flow":
+        return ("--enable-lora",)
+    targets = ["all"] if lora.target_modules == ("all-linear",) else list(lora.target_modules)
+    return ("--enable-lora", "--max-lora-rank", str(lora.rank), "--lora-target-modules", *targets)
 
 
 def _positive(instance: object, attribute: attrs.Attribute, value: float) -> None:

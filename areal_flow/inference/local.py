@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from areal_flow.lora import add_adapters, is_adapter, load_adapter, same_shape
 from areal_flow.types import Completion, FinishReason, GenerationRequest, WeightUpdate
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -141,6 +142,8 @@ class LocalEngine:
         """Tensor names loaded since the version last changed (a bucketed update so far)."""
         self._shared = False
         """Whether the model's tensors are another's (a `live` update kept them)."""
+        self.adapter: dict | None = None
+        """The PEFT config of the LoRA layers injected by the first adapter update, else None."""
 
         self._cv = threading.Condition()
         self._waiting: deque[_Sequence] = deque()
@@ -163,8 +166,10 @@ class LocalEngine:
     in_process = True
 
     @classmethod
-    def from_config(cls, config, *, model: str, seed: int = 0, run_dir=None) -> LocalEngine:
-        """The pool a recipe asked for with `InferenceConfig` (every pool class has this)."""
+    def from_config(cls, config, *, model: str, seed: int = 0, run_dir=None,
+                    lora=None) -> LocalEngine:
+        """The pool a recipe asked for with `InferenceConfig` (every pool class has this). A
+        LoRA trainer's adapter layers are added at its first weight update."""
         return cls(model, dtype=config.dtype, device=config.device,
                    max_batch_size=config.max_batch_size, seed=seed, threads=config.threads)
 
@@ -256,6 +261,8 @@ class LocalEngine:
         was_paused = self._paused
         self.pause()
         try:
+            if update.lora is not None:
+                return self._update_adapter(update)
             if update.state_dict is not None:
                 state = update.state_dict
             elif update.path is not None:
@@ -266,12 +273,13 @@ class LocalEngine:
                     "the local engine takes weights as a state dict or a folder; the "
                     "distributed group path belongs to the SGLang-protocol server"
                 )
+            if self.adapter is not None:
+                raise ValueError("this engine serves a LoRA adapter: it takes adapters "
+                                 "(WeightUpdate.lora), not full weights")
             received = self._covered(set(state), update.version)
             kept = update.live and self._keep_tensors(state)
             if not kept:
-                if self._shared:  # never write into the tensors of their owner
-                    self.model.load_state_dict(
-                        {k: t.clone() for k, t in self.model.state_dict().items()}, assign=True)
+                self._own_tensors()
                 self._load_state_dict(state)
             self._shared = kept
             self._received = received if update.version == self._version else set()
@@ -280,6 +288,60 @@ class LocalEngine:
             if not was_paused:
                 self.resume()
         return kept
+
+    def _update_adapter(self, update: WeightUpdate) -> bool:
+        """A LoRA adapter (`WeightUpdate.lora`) over the base model: the engine injects the
+        adapter's layers at the first one and from then on loads only adapter tensors. A `live`
+        state dict holding the trainer's base and adapter tensors is kept, as for full weights.
+        Called paused."""
+        if self.adapter is None:
+            self.adapter = add_adapters(self.model, update.lora)
+            self.model.requires_grad_(False)
+            self._aliases = {name: frozenset([name]) for name in self.model.state_dict()}
+        elif not same_shape(self.adapter, update.lora):
+            raise ValueError(
+                f"this engine's LoRA layers have rank {self.adapter['r']}, alpha "
+                f"{self.adapter['lora_alpha']} on {self.adapter['target_modules']}; an adapter "
+                f"of rank {update.lora['r']}, alpha {update.lora['lora_alpha']} on "
+                f"{update.lora['target_modules']} needs a new engine")
+        state = load_adapter(update.path)[1] if update.path is not None else update.state_dict
+        kept = update.live and self._keep_tensors(state)
+        if not kept:
+            state = {name: t for name, t in state.items() if is_adapter(name)}
+            expected = {name for name in self.model.state_dict() if is_adapter(name)}
+            if set(state) != expected:
+                raise ValueError(f"the adapter does not fit the model's LoRA layers: missing "
+                                 f"{_some(expected - set(state))}, unexpected "
+                                 f"{_some(set(state) - expected)}")
+            self._own_tensors()
+            self._load_state_dict(state)
+        self._shared = kept
+        self._received = set()
+        self._version = update.version
+        return kept
+
+    def remove_adapter(self) -> None:
+        """Serve the base model again: the adapter's B matrices are zeroed, so its layers add
+        nothing (they stay, to take the next adapter of the same shape)."""
+        was_paused = self._paused
+        self.pause()
+        try:
+            self._own_tensors()
+            with torch.no_grad():
+                for name, tensor in self.model.state_dict().items():
+                    if ".lora_B." in name:
+                        tensor.zero_()
+        finally:
+            if not was_paused:
+                self.resume()
+
+    def _own_tensors(self) -> None:
+        """Copies of tensors kept from a `live` update, before writing into them: never write
+        into the tensors of their owner."""
+        if self._shared:
+            self.model.load_state_dict(
+                {k: t.clone() for k, t in self.model.state_dict().items()}, assign=True)
+            self._shared = False
 
     def stats(self) -> dict[str, float]:
         """Counters since the last call, plus current queue sizes."""

@@ -33,6 +33,12 @@ defaults, status codes and response shapes follow SGLang's ``entrypoints/http_se
   with the trainer as rank 0, store keys under the group name. The trainer side
   (`areal_flow.runtime.weight_sync`) builds the same group from public torch classes. A server is
   in one group at a time (``/destroy_weights_update_group`` leaves it).
+- LoRA (``--enable-lora``): ``/load_lora_adapter`` (a PEFT folder) and ``/unload_lora_adapter``
+  as in SGLang, and ``lora_path`` on ``/generate`` names the adapter. One adapter at a time (a
+  second load is refused until the first is unloaded), and while one is loaded every request
+  must name it (SGLang would serve a request without ``lora_path`` from the base model in the
+  same batch; the local engine cannot mix them). Later adapters must have the first one's rank,
+  alpha and target modules. Loading keeps the weight version, as in SGLang.
 - ``GET /get_load`` is this server's own: the requests in flight with the tokens each has generated
   so far, and the requests held by a pause (tests wait on it instead of sleeping).
 """
@@ -59,6 +65,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from areal_flow.inference.local import LocalEngine
+from areal_flow.lora import load_adapter
 from areal_flow.types import (
     Completion,
     DistributedWeights,
@@ -185,6 +192,25 @@ class _Generate:
     return_hidden_states: Any = _unsupported(False)
     stream: Any = _unsupported(False)
     text: Any = _unsupported(None)
+    lora_path: str | None = None
+    """The name of a loaded LoRA adapter (SGLang resolves names, not paths, here)."""
+
+
+@attrs.frozen(kw_only=True)
+class _LoadLora:
+    lora_name: str
+    lora_path: str
+    pinned: bool = False
+    lora_id: str | None = None
+
+
+@attrs.frozen(kw_only=True)
+class _UnloadLora:
+    lora_name: str
+    lora_id: str | None = None
+
+
+LORA_DISABLED = "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."
 
 
 @attrs.frozen(kw_only=True)
@@ -351,8 +377,12 @@ class _Server:
     """Request handlers over one engine. New requests wait at a gate while generation is paused
     (as SGLang's tokenizer manager holds them); control calls that block run in worker threads."""
 
-    def __init__(self, engine: LocalEngine, health_delay: float, health_timeout: float):
+    def __init__(self, engine: LocalEngine, health_delay: float, health_timeout: float,
+                 enable_lora: bool = False):
         self.engine = engine
+        self.enable_lora = enable_lora
+        self.loras: dict[str, str] = {}
+        """Loaded LoRA adapters, name -> path (one at most here)."""
         self.health_delay = health_delay
         self.health_timeout = health_timeout
         self.stopping = False
@@ -385,8 +415,17 @@ class _Server:
             raise BadRequest(str(exc)) from None
         start = time.perf_counter()
         await self._gate()
+        self._check_adapter(body.lora_path)  # after the gate: adapters change while paused
         completion = await self._run(req, request)
         return JSONResponse(self._reply(req, body, completion, time.perf_counter() - start))
+
+    def _check_adapter(self, name: str | None) -> None:
+        if name is not None and name not in self.loras:
+            raise BadRequest(f"The following requested LoRA adapters are not loaded: {{{name!r}}}"
+                             f"\nLoaded adapters: {set(self.loras)}.")
+        if name is None and self.loras:
+            raise BadRequest(f"this server applies its LoRA adapter {next(iter(self.loras))!r} "
+                             "to every request: name it in 'lora_path'")
 
     async def _gate(self) -> None:
         """Wait while generation is paused."""
@@ -570,6 +609,44 @@ class _Server:
         return JSONResponse({"success": True, "message": f"Weight version updated to "
                              f"{body.new_version}", "new_version": str(body.new_version)})
 
+    async def load_lora_adapter(self, request: Request) -> Response:
+        body: _LoadLora = await _parse(request, _LoadLora)
+        async with self.control:
+            if not self.enable_lora:
+                return self._lora_result(LORA_DISABLED)
+            if body.lora_name in self.loras:
+                return self._lora_result(f"Failed to load LoRA adapter {body.lora_name} because "
+                                         "it is already loaded")
+            if self.loras:
+                return self._lora_result(
+                    f"Failed to load LoRA adapter {body.lora_name}: this server holds one adapter "
+                    f"at a time and {next(iter(self.loras))!r} is loaded; unload it first")
+            try:
+                await anyio.to_thread.run_sync(_load_adapter, self.engine, body.lora_path)
+            except Exception as exc:
+                return self._lora_result(f"Failed to load LoRA adapter {body.lora_name}: {exc}")
+            self.loras[body.lora_name] = body.lora_path
+        return self._lora_result(None)
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        body: _UnloadLora = await _parse(request, _UnloadLora)
+        async with self.control:
+            if not self.enable_lora:
+                return self._lora_result(LORA_DISABLED)
+            if body.lora_name not in self.loras:
+                return self._lora_result(f"LoRA with name {body.lora_name} does not exist. "
+                                         f"Loaded LoRAs: {set(self.loras)}")
+            # as SGLang: no new request may use it, then the running ones finish first
+            del self.loras[body.lora_name]
+            await self.drained.wait()
+            await anyio.to_thread.run_sync(self.engine.remove_adapter)
+        return self._lora_result(None)
+
+    def _lora_result(self, error: str | None) -> JSONResponse:
+        return JSONResponse({"success": error is None, "error_message": error,
+                             "loaded_adapters": dict(self.loras)},
+                            status_code=200 if error is None else 400)
+
     async def begin_weight_update(self, request: Request) -> Response:
         await _parse(request, _BeginUpdate)
         if self.updating:
@@ -645,6 +722,22 @@ class _Server:
             self._leave_group()
 
 
+def _load_adapter(engine: LocalEngine, path: str) -> None:
+    """Load a PEFT adapter folder into `engine`, keeping its weight version (SGLang's load
+    leaves the version alone; a `WeightUpdate` needs one)."""
+    config, state = load_adapter(path)
+    was_paused = engine.paused
+    engine.pause()  # no token between the load and the version's restore
+    try:
+        version = engine.version
+        engine.update_weights(WeightUpdate(version=max(version, 0), state_dict=state,
+                                           lora=config))
+        engine.set_version(version)
+    finally:
+        if not was_paused:
+            engine.resume()
+
+
 def _torch_dtype(name: str) -> torch.dtype:
     dtype = getattr(torch, name.removeprefix("torch."), None)
     if not isinstance(dtype, torch.dtype):
@@ -687,11 +780,12 @@ async def _bad_request(request: Request, exc: Exception) -> Response:
 
 
 def build_app(engine: LocalEngine, *, health_delay: float = 0.0,
-              health_timeout: float = HEALTH_CHECK_TIMEOUT_S) -> Starlette:
+              health_timeout: float = HEALTH_CHECK_TIMEOUT_S,
+              enable_lora: bool = False) -> Starlette:
     """The HTTP app over `engine` (the caller owns and closes the engine; ``app.state.server``
     holds the handlers). A health check waits `health_delay` seconds first (SGLang: 1 s), then
     answers 503 if its one-token generation (held by a pause, say) takes over `health_timeout`."""
-    s = _Server(engine, health_delay, health_timeout)
+    s = _Server(engine, health_delay, health_timeout, enable_lora)
     post, get = ["POST"], ["GET"]
     routes = [
         Route("/generate", s.generate, methods=["POST", "PUT"]),
@@ -706,6 +800,8 @@ def build_app(engine: LocalEngine, *, health_delay: float = 0.0,
         Route("/flush_cache", s.flush_cache, methods=["GET", "POST"]),
         Route("/update_weights_from_disk", s.update_weights_from_disk, methods=post),
         Route("/update_weight_version", s.update_weight_version, methods=post),
+        Route("/load_lora_adapter", s.load_lora_adapter, methods=post),
+        Route("/unload_lora_adapter", s.unload_lora_adapter, methods=post),
         Route("/begin_weight_update", s.begin_weight_update, methods=post),
         Route("/end_weight_update", s.end_weight_update, methods=post),
         Route("/init_weights_update_group", s.init_weights_update_group, methods=post),
@@ -719,14 +815,16 @@ def build_app(engine: LocalEngine, *, health_delay: float = 0.0,
 
 def serve(model: str, host: str = "127.0.0.1", port: int = 30000, *,
           weight_version: int | None = None, health_delay: float = 0.0,
-          health_timeout: float = HEALTH_CHECK_TIMEOUT_S, **engine_kwargs: Any) -> None:
+          health_timeout: float = HEALTH_CHECK_TIMEOUT_S, enable_lora: bool = False,
+          **engine_kwargs: Any) -> None:
     """Load `model` into a `LocalEngine` and serve it until interrupted (SGLang's default port).
     Without `weight_version` the server reports ``"default"``, as SGLang does."""
     import uvicorn
 
     version = DEFAULT_VERSION if weight_version is None else weight_version
     engine = LocalEngine(model, version=version, **engine_kwargs)
-    app = build_app(engine, health_delay=health_delay, health_timeout=health_timeout)
+    app = build_app(engine, health_delay=health_delay, health_timeout=health_timeout,
+                    enable_lora=enable_lora)
     try:
         uvicorn.run(app, host=host, port=port, log_level="warning")
     finally:

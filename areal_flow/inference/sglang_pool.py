@@ -40,6 +40,11 @@ the calling (trainer) thread until the loop has done them.
   (`areal_flow.runtime.weight_sync.connect` includes stale servers). Catching a server up holds
   the control lock, so a `pause` meanwhile waits for it; a joining server is not caught up while
   the pool is paused (a weight update may be under way).
+- **LoRA.** Weights that come as a LoRA adapter folder (`WeightUpdate.lora`) are loaded on each
+  server as ``/unload_lora_adapter`` of the previous one, ``/load_lora_adapter`` under
+  `LORA_NAME`, then ``/update_weight_version``; from then on every ``/generate`` names it in
+  ``lora_path``, and a joining server gets the latest adapter the same way. The servers must run
+  with LoRA enabled (`from_config` launches them so).
 - **Request ids.** Each attempt goes out under a fresh id: 32 hex digits, a dash, and the
   request's own id: SGLang's ``/abort_request`` aborts every id that starts with the given one, so
   no id sent may be a prefix of another.
@@ -66,6 +71,9 @@ from areal_flow.types import (Completion, FinishReason, GenerationRequest, Weigh
                               derived_seed)
 
 log = logging.getLogger(__name__)
+
+LORA_NAME = "policy"
+"""The name the policy's LoRA adapter is loaded under on every server."""
 
 _FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 
@@ -253,6 +261,8 @@ class SGLangPool:
         self._active: dict[str, _Active] = {}
         self._groups: dict[str, list[_Server]] = {}
         self._disk: tuple[str, int] | None = None
+        self._adapter: tuple[str, int] | None = None
+        """The latest LoRA adapter folder and its version, once weights come as adapters."""
         """The last update from disk: (folder, version)."""
         self._over_group = False
         """The latest weights came over a weight-update group (no folder holds them)."""
@@ -278,11 +288,18 @@ class SGLangPool:
     in_process = False
 
     @classmethod
-    def from_config(cls, config, *, model: str, seed: int = 0, run_dir=None) -> SGLangPool:
+    def from_config(cls, config, *, model: str, seed: int = 0, run_dir=None,
+                    lora=None) -> SGLangPool:
         """The pool a recipe asked for with `InferenceConfig`: the given servers, or servers it
-        launches on `server_gpus` (stopped when the pool closes). Fails at once, naming the
-        addresses, if no server answers."""
-        from areal_flow.inference.launcher import SGLangLauncher, serve_command, sglang_command
+        launches on `server_gpus` (stopped when the pool closes), with LoRA enabled for the
+        trainer's `lora` (`areal_flow.lora.LoraConfig`). Fails at once, naming the addresses,
+        if no server answers."""
+        from areal_flow.inference.launcher import (
+            SGLangLauncher,
+            lora_args,
+            serve_command,
+            sglang_command,
+        )
 
         launcher = None
         addresses = list(config.addresses) or None
@@ -295,7 +312,8 @@ class SGLangPool:
             launcher = SGLangLauncher(model, gpus=config.server_gpus, tp_size=config.tp_size,
                                       random_seed=seed, weight_version=version,
                                       deterministic_inference=config.deterministic,
-                                      log_dir=log_dir, command=commands[config.server_program])
+                                      log_dir=log_dir, command=commands[config.server_program],
+                                      extra_args=lora_args(config.server_program, lora))
             addresses = launcher.start()
         try:
             pool = cls(addresses, addresses_file=None if addresses else config.addresses_file,
@@ -609,8 +627,11 @@ class SGLangPool:
         seed = _resubmission_seed(sp.seed, len(active.tokens))
         if seed is not None and not sp.greedy:
             params["sampling_seed"] = seed
-        return {"input_ids": [*active.request.input_ids, *active.tokens],
+        body = {"input_ids": [*active.request.input_ids, *active.tokens],
                 "sampling_params": params, "rid": active.wire_rid, "return_logprob": True}
+        if self._adapter is not None:
+            body["lora_path"] = LORA_NAME  # SGLang resolves an adapter by its name here
+        return body
 
     async def _on_server(self, server: _Server, coro: Coroutine) -> Any:
         """Awaits `coro` as a task of `server`'s, which `_take_out` cancels: that reads here as
@@ -704,7 +725,9 @@ class SGLangPool:
             was_paused = self._paused
             await self._pause_locked()
             try:
-                if update.path is not None:
+                if update.lora is not None:
+                    await self._load_adapter(update)
+                elif update.path is not None:
                     body = {"model_path": update.path, "weight_version": str(update.version),
                             "abort_all_requests": True, "flush_cache": True}
                     done = await self._on_healthy("/update_weights_from_disk", body, strict=True)
@@ -736,6 +759,41 @@ class SGLangPool:
             finally:
                 if not was_paused:
                     await self._resume_locked()
+
+    async def _load_adapter(self, update: WeightUpdate) -> None:
+        """A LoRA adapter folder on every healthy server, as `LORA_NAME` (module docstring)."""
+        if update.path is None:
+            raise ValueError("the SGLang pool takes a LoRA adapter as a PEFT folder ('path'), "
+                             "which its servers load with /load_lora_adapter")
+        servers = [s for s in self._servers.values() if s.healthy]
+        results = await asyncio.gather(
+            *(self._swap_adapter(s, update.path, str(update.version)) for s in servers),
+            return_exceptions=True)
+        done = []
+        for server, result in zip(servers, results):
+            if isinstance(result, WeightUpdateError) and not server.healthy:
+                continue  # it went down: it catches up when it comes back
+            if isinstance(result, BaseException):
+                raise result
+            done.append(server)
+        if not done:
+            raise WeightUpdateError(f"no SGLang server was reachable to load {update.path}")
+        self._caught_up(done)
+        self._adapter = (update.path, update.version)
+        self._disk, self._over_group = None, False
+
+    async def _swap_adapter(self, server: _Server, path: str, label: str) -> None:
+        """Replace `server`'s adapter: SGLang refuses a second load under a loaded name, so the
+        old one goes first (the pool is paused: no request uses it)."""
+        response = await self._post(server, "/unload_lora_adapter", {"lora_name": LORA_NAME})
+        if response.status_code != 200 and "does not exist" not in _error_message(response):
+            raise WeightUpdateError(f"{server.address}/unload_lora_adapter failed: "
+                                    f"{_error_message(response)}")
+        await self._checked(server, "/load_lora_adapter",
+                            {"lora_name": LORA_NAME, "lora_path": path})
+        await self._checked(server, "/update_weight_version",
+                            {"new_version": label, "abort_all_requests": True})
+        server.label = label
 
     def _caught_up(self, servers: list[_Server], label: str | None = None) -> None:
         for server in servers:
@@ -987,6 +1045,8 @@ class SGLangPool:
         server.stale = False
         if server.label == current:
             return
+        if self._adapter is not None:
+            await self._swap_adapter(server, self._adapter[0], str(self._adapter[1]))
         if self._disk is not None and server.label != str(self._disk[1]):
             path, version = self._disk
             await self._checked(server, "/update_weights_from_disk", {

@@ -18,6 +18,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from transformers import AutoTokenizer
 
+from areal_flow.lora import is_adapter, merged, save_adapter
+
 if TYPE_CHECKING:
     from areal_flow.runtime.engine import TrainEngine
 
@@ -25,10 +27,15 @@ if TYPE_CHECKING:
 def save_hf(engine: TrainEngine, path: str | Path,
             tokenizer_from: str | Path | None = None) -> None:
     """A `save_pretrained` folder (loadable by transformers and SGLang); every rank calls,
-    rank 0 writes. The tokenizer files are copied from `tokenizer_from` when given."""
+    rank 0 writes. The tokenizer files are copied from `tokenizer_from` when given. A LoRA
+    policy is saved with its adapters merged into the weights, and the adapter alone as a PEFT
+    folder in ``adapter/`` (for SGLang's ``--lora-paths`` or `peft.PeftModel.from_pretrained`)."""
     state = get_model_state_dict(
         engine.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if engine.rank == 0:
+        if engine.adapter is not None:
+            save_adapter(Path(path) / "adapter", state, engine.adapter)
+            state = merged(state, engine.adapter)
         engine.model.save_pretrained(path, state_dict=state)
         if tokenizer_from is not None:
             AutoTokenizer.from_pretrained(tokenizer_from).save_pretrained(path)
@@ -38,9 +45,10 @@ def save_hf(engine: TrainEngine, path: str | Path,
 def save_checkpoint(engine: TrainEngine, path: str | Path, extra_state: Any = None) -> None:
     """Everything exact resume needs: sharded model and optimizer (torch.distributed
     checkpoint), LR schedule, step count, RNG states and `extra_state` (e.g. the rollout
-    scheduler's state dict). Every rank calls."""
+    scheduler's state dict). Every rank calls. Of a LoRA policy only the adapters (and their
+    optimizer state) are saved: the base weights are the model's, unchanged."""
     path = Path(path)
-    model_state, optim_state = get_state_dict(engine.model, engine.optimizer)
+    model_state, optim_state = _trained_state(engine)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(path / "dcp"))
     if engine.rank == 0:
         torch.save({"scheduler": engine.scheduler.state_dict(), "steps": engine.steps,
@@ -52,13 +60,23 @@ def save_checkpoint(engine: TrainEngine, path: str | Path, extra_state: Any = No
 def load_checkpoint(engine: TrainEngine, path: str | Path) -> Any:
     """Restore `save_checkpoint`'s state on every rank; returns its `extra_state`."""
     path = Path(path)
-    model_state, optim_state = get_state_dict(engine.model, engine.optimizer)
+    model_state, optim_state = _trained_state(engine)
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=str(path / "dcp"))
     set_state_dict(engine.model, engine.optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
+                   optim_state_dict=state["optim"],
+                   options=StateDictOptions(strict=engine.adapter is None))
     trainer = torch.load(path / "trainer_state.pt", weights_only=False)
     engine.scheduler.load_state_dict(trainer["scheduler"])
     engine.steps = trainer["steps"]
     torch.set_rng_state(trainer["rng"])
     return trainer["extra_state"]
+
+
+def _trained_state(engine: TrainEngine) -> tuple[dict, dict]:
+    """The model's and optimizer's state dicts; of a LoRA model the adapter's alone (torch's
+    `ignore_frozen_params` still keeps a tied LM head: the whole embedding)."""
+    model_state, optim_state = get_state_dict(engine.model, engine.optimizer)
+    if engine.adapter is not None:
+        model_state = {k: t for k, t in model_state.items() if is_adapter(k)}
+    return model_state, optim_state

@@ -30,6 +30,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoModel, AutoModelForCausalLM, get_constant_schedule_with_warmup
 
 from areal_flow.config import OptimizerConfig
+from areal_flow.lora import LoraConfig, add_adapters, is_adapter
 from areal_flow.runtime.distributed import init_distributed, on_rank0, scatter_groups
 from areal_flow.runtime.layout import PackedRows
 from areal_flow.runtime.logprobs import EntropyMode, LossPositions, loss_position_head
@@ -60,6 +61,9 @@ class TrainConfig:
     skip_nonfinite: bool = False
     """Skip an optimizer step whose loss or gradient norm is NaN/inf (with a warning; counted in
     `skipped_step`) instead of stopping the run with an error naming the step."""
+    lora: LoraConfig = attrs.field(factory=LoraConfig)
+    """Train LoRA adapters of the policy instead of every weight (`--train.lora.rank 16`): only
+    they are trained, checkpointed and sent to the generation pool (`areal_flow/lora.py`)."""
 
 
 class ValueModel(torch.nn.Module):
@@ -100,6 +104,10 @@ class TrainEngine:
         path = str(model)
         module = ValueModel(path) if value else AutoModelForCausalLM.from_pretrained(
             path, dtype=torch.float32, attn_implementation="sdpa")
+        self.adapter: dict | None = None
+        """The PEFT config of the policy's LoRA adapters (`TrainConfig.lora`), else None."""
+        if config.lora.enabled and trainable and not value:
+            self.adapter = add_adapters(module, config.lora.peft_dict())
         if config.activation_checkpointing:
             (module.backbone if value else module).activation_checkpointing_enable()
         # training mode: transformers recomputes checkpointed layers only when `module.training`
@@ -124,7 +132,8 @@ class TrainEngine:
         if trainable:
             o = config.optim
             # fused: one kernel per parameter, no foreach temporaries the size of the model
-            self.optimizer = torch.optim.AdamW(module.parameters(), lr=o.lr, betas=o.betas,
+            trained = [p for p in module.parameters() if p.requires_grad]
+            self.optimizer = torch.optim.AdamW(trained, lr=o.lr, betas=o.betas,
                                                weight_decay=o.weight_decay, fused=True)
             self.scheduler = get_constant_schedule_with_warmup(self.optimizer, o.warmup_steps)
         else:
@@ -322,10 +331,11 @@ class TrainEngine:
         state = self._unsharded_state()
         return state if self.sharded else {name: t.clone() for name, t in state.items()}
 
-    def _unsharded_state(self) -> dict[str, torch.Tensor]:
+    def _unsharded_state(self, adapter_only: bool = False) -> dict[str, torch.Tensor]:
         # unwrapped on CPU, these are the live weights: for consumers that copy them at once
         return {name: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu()
-                for name, t in self.model.state_dict().items()}
+                for name, t in self.model.state_dict().items()
+                if not adapter_only or is_adapter(name)}
 
     # -- weight sync --------------------------------------------------------------------
 
@@ -336,7 +346,9 @@ class TrainEngine:
         sends them over the weight-update `group` (`weight_sync.WeightGroup`, bucketed broadcast
         to SGLang servers), or writes a `save_pretrained` `folder` for
         `/update_weights_from_disk`, or, given neither, hands the state dict over in memory (the
-        local engine). Returns the seconds it took, for the recipe's stats.
+        local engine). With LoRA (`TrainConfig.lora`) only the adapter tensors go, as a PEFT
+        folder for `/load_lora_adapter` or in memory. Returns the seconds it took and the bytes
+        sent (0 when an in-process engine kept the live tensors), for the recipe's stats.
 
         An in-process engine of the same dtype keeps an unsharded model's live tensors instead
         of a copy of them (`WeightUpdate.live`): no second copy of the weights, nothing copied
@@ -345,10 +357,24 @@ class TrainEngine:
         this after every `train`, as the recipes do."""
         import time
 
+        from areal_flow.lora import save_adapter
+
         start = time.perf_counter()
+        if self.adapter is not None and group is not None:
+            raise ValueError("LoRA adapters reach SGLang servers as a folder "
+                             "(/load_lora_adapter), not over a weight-update group: sync with "
+                             "folder=...")
+        # With LoRA only the adapter moves, except to an in-process engine that can keep the
+        # trainer's own tensors (`WeightUpdate.live`): it takes them all once, and then nothing.
+        live = self.shares_live_tensors and folder is None
         # every consumer below copies or writes the tensors before training goes on
-        state = self._unsharded_state()
+        state = self._unsharded_state(adapter_only=self.adapter is not None and not live)
         gathered = time.perf_counter()
+        # what the pool copies: an in-process engine that cannot keep the live tensors of a
+        # LoRA model takes only the adapter from them; a tied tensor counts once
+        sent = sum(t.numel() * t.element_size() for t in {
+            t.data_ptr(): t for name, t in state.items()
+            if self.adapter is None or is_adapter(name)}.values())
         if self.rank == 0:
             if group is not None:
                 from areal_flow.runtime.weight_sync import broadcast_buckets
@@ -356,17 +382,24 @@ class TrainEngine:
                 broadcast_buckets(pool, group, state.items(), version=version,
                                   bucket_bytes=bucket_bytes)
             elif folder is not None:
-                self.model.save_pretrained(folder, state_dict=state)
-                pool.update_weights(WeightUpdate(version=version, path=str(folder)))
+                if self.adapter is not None:
+                    save_adapter(folder, state, self.adapter)
+                else:
+                    self.model.save_pretrained(folder, state_dict=state)
+                pool.update_weights(WeightUpdate(version=version, path=str(folder),
+                                                 lora=self.adapter))
             else:
                 kept = pool.update_weights(WeightUpdate(version=version, state_dict=state,
-                                                        live=self.shares_live_tensors))
+                                                        live=live, lora=self.adapter))
                 if self._readers is not None:  # paused by the optimizer step
                     self._readers.resume()
                 self._readers = pool if kept else None
+                if kept:  # nothing was copied
+                    sent = 0
         dist.barrier()
         done = time.perf_counter()
-        return {"sync/gather_seconds": gathered - start, "sync/send_seconds": done - gathered}
+        return {"sync/gather_seconds": gathered - start, "sync/send_seconds": done - gathered,
+                "sync/bytes": float(sent)}
 
     # -- micro-batches -----------------------------------------------------------------
 

@@ -1,0 +1,145 @@
+"""LoRA: low-rank adapters trained on a frozen base model, and how they travel.
+
+The trainer injects peft's LoRA layers into its Hugging Face model in place (the model keeps
+its class; a targeted ``q_proj.weight`` becomes ``q_proj.base_layer.weight`` beside
+``q_proj.lora_A.default.weight`` and ``q_proj.lora_B.default.weight``); only the adapter tensors
+are trained, checkpointed and sent to the generation pool. The local engine injects the same
+layers and loads the adapter tensors into them; an SGLang server loads the adapter as a PEFT
+folder (``/load_lora_adapter``). Either way the base weights never move after start.
+
+A PEFT folder is ``adapter_config.json`` and ``adapter_model.safetensors`` with PEFT's names
+(``base_model.model.<module>.lora_A.weight``): what `peft.PeftModel.from_pretrained`, SGLang
+and vLLM load.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+from attrs import validators as v
+
+ADAPTER = "default"
+"""peft's name for the one adapter a model carries here."""
+_SAVED_PREFIX = "base_model.model."
+
+
+@attrs.frozen(kw_only=True)
+class LoraConfig:
+    """`--train.lora.*`: train low-rank adapters instead of every weight."""
+
+    rank: int = attrs.field(default=0, validator=v.ge(0))
+    """Adapter rank r; 0 trains every weight (no LoRA)."""
+    alpha: float = attrs.field(default=32.0, validator=v.gt(0))
+    """The update to a weight is alpha / rank * B @ A."""
+    target_modules: tuple[str, ...] = attrs.field(default=("all-linear",),
+                                                  validator=v.min_len(1))
+    """Module names that get adapters (q_proj v_proj ...), or all-linear: every linear layer
+    but the LM head."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    def peft_dict(self) -> dict[str, Any]:
+        """The adapter's PEFT config, before it is resolved against a model."""
+        targets = "all-linear" if self.target_modules == ("all-linear",) \
+            else list(self.target_modules)
+        return {"peft_type": "LORA", "r": self.rank, "lora_alpha": self.alpha,
+                "target_modules": targets, "lora_dropout": 0.0, "bias": "none"}
+
+
+def add_adapters(model: torch.nn.Module, config: Mapping[str, Any]) -> dict[str, Any]:
+    """Inject LoRA layers of the PEFT `config` into `model` in place (B starts at zero, so the
+    model computes what it did before); returns the config resolved against the model, with
+    the targets as module names (q_proj, ...), JSON-ready. Only the adapter stays trainable."""
+    try:
+        import peft
+    except ImportError:
+        raise ImportError("LoRA needs peft: pip install 'areal-flow[lora]'") from None
+
+    peft.inject_adapter_in_model(peft.LoraConfig(**_lora_fields(config)), model,
+                                 adapter_name=ADAPTER)
+    resolved = model.peft_config[ADAPTER]
+    targets = sorted({name.rsplit(".", 1)[-1] for name in resolved.target_modules})
+    if not targets:
+        raise ValueError(f"LoRA 'target_modules' {config['target_modules']!r} match no module "
+                         f"of {type(model).__name__}")
+    return {**_lora_fields(config), "target_modules": targets, "peft_type": "LORA"}
+
+
+def same_shape(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Whether two adapters fit the same injected layers (rank, scaling and targets)."""
+    def key(c):
+        return (c["r"], float(c["lora_alpha"]), sorted(c["target_modules"])
+                if not isinstance(c["target_modules"], str) else c["target_modules"])
+    return key(a) == key(b)
+
+
+def is_adapter(name: str) -> bool:
+    """Whether a state-dict name is an adapter tensor (``...lora_A.default.weight``)."""
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def save_adapter(folder: str | Path, state: Mapping[str, torch.Tensor],
+                 config: Mapping[str, Any]) -> None:
+    """Write the adapter tensors of `state` (the model's own names) as a PEFT folder."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {_SAVED_PREFIX + name.replace(f".{ADAPTER}.", "."): t.detach().contiguous()
+               for name, t in state.items() if is_adapter(name)}
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps(dict(config), indent=1))
+
+
+def load_adapter(folder: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """A PEFT folder's config and its tensors under the names of a model with the adapter
+    injected (`add_adapters`)."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        if not (folder / name).is_file():
+            raise ValueError(f"{folder} is not a PEFT adapter folder: it has no {name}")
+    config = json.loads((folder / "adapter_config.json").read_text())
+    state = {}
+    for name, tensor in load_file(str(folder / "adapter_model.safetensors")).items():
+        name = name.removeprefix(_SAVED_PREFIX)
+        for part in ("lora_A", "lora_B"):
+            name = name.replace(f".{part}.weight", f".{part}.{ADAPTER}.weight")
+        state[name] = tensor
+    return config, state
+
+
+def merged(state: Mapping[str, torch.Tensor], config: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """The base model's state dict with every adapter folded into its weight
+    (W + alpha / r * B @ A), under the base model's own names: a plain `save_pretrained`
+    model."""
+    scale = float(config["lora_alpha"]) / int(config["r"])
+    out = {}
+    for name, tensor in state.items():
+        if is_adapter(name):
+            continue
+        if ".base_layer." in name:
+            module, _, leaf = name.rpartition(".base_layer.")
+            if leaf == "weight":
+                a = state[f"{module}.lora_A.{ADAPTER}.weight"].to(torch.float32)
+                b = state[f"{module}.lora_B.{ADAPTER}.weight"].to(torch.float32)
+                tensor = (tensor.to(torch.float32) + scale * (b @ a)).to(tensor.dtype)
+            name = f"{module}.{leaf}"
+        out[name] = tensor
+    return out
+
+
+def _lora_fields(config: Mapping[str, Any]) -> dict[str, Any]:
+    fields = ("r", "lora_alpha", "target_modules", "lora_dropout", "bias")
+    missing = [f for f in ("r", "lora_alpha", "target_modules") if f not in config]
+    if missing:
+        raise ValueError(f"a LoRA adapter config needs {missing}: got keys {sorted(config)}")
+    return {f: config[f] for f in fields if f in config}
