@@ -196,6 +196,10 @@ class InferenceConfig:
     """sglang: seconds a /health check may take (SGLang's takes ~1 s; more while paused, when
     none is made); a server holding requests is checked every second, so one that froze is
     taken out, and its requests continue elsewhere, after about this long."""
+    lease_dir: str | None = None
+    """sglang: where runs lease their servers, so that two runs never write weights into one
+    server (`inference/lease.py`): a folder every run reaches (like the weight folders). None:
+    $XDG_CACHE_HOME/areal_flow/leases (~/.cache)."""
 
     @device.validator
     def _check_device(self, attribute: attrs.Attribute, value: str) -> None:

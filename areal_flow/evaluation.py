@@ -18,7 +18,7 @@ import attrs
 from attrs import validators as v
 
 from areal_flow.config import InferenceConfig, RolloutConfig
-from areal_flow.types import Episode, SamplingParams, derived_seed
+from areal_flow.types import Episode, SamplingParams, WeightUpdate, derived_seed
 
 
 @attrs.frozen(kw_only=True)
@@ -184,6 +184,9 @@ def run(plan: dict[str, Any], console: Any = None) -> dict[str, Any]:
     tokenizer = AutoTokenizer.from_pretrained(plan["model"])
     pool = plan["pool_class"].from_config(cfg.inference, model=plan["model"], seed=cfg.seed,
                                           run_dir=out.parent)
+    if cfg.inference.addresses or cfg.inference.addresses_file:
+        # servers attached by address may hold another run's weights: evaluate --model's
+        pool.update_weights(WeightUpdate(version=0, path=str(plan["model"])))
     rewards = RewardRunner(max_failure_rate=1.0)  # a failing reward scores its default
     greedy_sampling = attrs.evolve(rl.sampling, temperature=0.0)
     chunk = max(1, cfg.max_concurrent // cfg.samples)

@@ -365,6 +365,8 @@ def batch_metrics(cfg: RLConfig, batch, scheduler: RolloutScheduler) -> dict[str
     out["memory/peak_rss_gb"] = peak_rss_gb()
     lags = batch["policy_version"][:, None] - batch["versions"]
     out["staleness/mean"] = lags[batch["loss_mask"]].float().mean().item()
+    out["staleness/max"] = lags[batch["loss_mask"]].max().item() \
+        if batch["loss_mask"].any() else 0
     return out
 
 

@@ -92,9 +92,12 @@ def main(cfg: Config) -> None:
         if extra:
             scheduler.load_state_dict(extra["scheduler"])
     weights = None if pool is None or pool.in_process else run.path / "weights"
-    # servers start from the initial weights: give them the checkpoint's; an in-process engine
-    # of the trainer's dtype then generates from the trainer's own tensors (no second copy)
-    if start > 0 or pool_class.in_process:
+    # launched servers start from the initial weights: give them the checkpoint's; servers
+    # attached with --inference.addresses(-file) may hold another run's, so they get this run's
+    # (labelled with its step); an in-process engine of the trainer's dtype then generates from
+    # the trainer's own tensors (no second copy)
+    if start > 0 or pool_class.in_process or cfg.inference.addresses or \
+            cfg.inference.addresses_file:
         trainer.sync_weights(pool, start, folder=weights)
 
     try:

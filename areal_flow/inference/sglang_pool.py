@@ -45,6 +45,10 @@ the calling (trainer) thread until the loop has done them.
   `LORA_NAME`, then ``/update_weight_version``; from then on every ``/generate`` names it in
   ``lora_path``, and a joining server gets the latest adapter the same way. The servers must run
   with LoRA enabled (`from_config` launches them so).
+- **Leases.** With `leases` (`lease.py`; `from_config` always), the pool holds a server's lease
+  before it sends it anything and renews it every third of its time: a server another live run
+  holds is never admitted (logged, and `from_config` fails naming the holder when no server is
+  left), so two runs never write weights into one server.
 - **Request ids.** Each attempt goes out under a fresh id: 32 hex digits, a dash, and the
   request's own id: SGLang's ``/abort_request`` aborts every id that starts with the given one, so
   no id sent may be a prefix of another.
@@ -58,6 +62,7 @@ import functools
 import logging
 import os
 import threading
+import time
 import uuid
 from collections.abc import Coroutine, Sequence
 from pathlib import Path
@@ -67,6 +72,7 @@ import attrs
 import httpx
 import stamina
 
+from areal_flow.inference.lease import Leases, ServerLeased, default_holder
 from areal_flow.types import (Completion, FinishReason, GenerationRequest, WeightUpdate,
                               derived_seed)
 
@@ -231,6 +237,7 @@ class SGLangPool:
         retries: int = 5,
         refresh_interval: float = 1.0,
         sticky_capacity: int = 100_000,
+        leases: Leases | None = None,
     ):
         if (addresses is None) == (addresses_file is None):
             raise ValueError("give exactly one of 'addresses' and 'addresses_file'")
@@ -255,15 +262,20 @@ class SGLangPool:
         self._retries = retries
         self._refresh_interval = refresh_interval
         self._sticky_capacity = sticky_capacity
+        self._leases = leases
+        """This run's leases on its servers (`lease.py`): none taken when None."""
+        self._refused: dict[str, str] = {}
+        """Servers this run may not use now (leased by another run), with the reason."""
+        self._renewed = 0.0
 
         self._servers: dict[str, _Server] = {}
         self._sticky: collections.OrderedDict[str, _Server] = collections.OrderedDict()
         self._active: dict[str, _Active] = {}
         self._groups: dict[str, list[_Server]] = {}
         self._disk: tuple[str, int] | None = None
+        """The last update from disk: (folder, version)."""
         self._adapter: tuple[str, int] | None = None
         """The latest LoRA adapter folder and its version, once weights come as adapters."""
-        """The last update from disk: (folder, version)."""
         self._over_group = False
         """The latest weights came over a weight-update group (no folder holds them)."""
         self._paused = False
@@ -294,6 +306,7 @@ class SGLangPool:
         launches on `server_gpus` (stopped when the pool closes), with LoRA enabled for the
         trainer's `lora` (`areal_flow.lora.LoraConfig`). Fails at once, naming the addresses,
         if no server answers."""
+        from areal_flow.data.offline import cache_dir
         from areal_flow.inference.launcher import (
             SGLangLauncher,
             lora_args,
@@ -321,14 +334,19 @@ class SGLangPool:
                        control_timeout=config.control_timeout,
                        pause_timeout=config.pause_timeout,
                        health_timeout=config.health_timeout,
-                       no_server_timeout=config.no_server_timeout)
+                       no_server_timeout=config.no_server_timeout,
+                       leases=Leases(config.lease_dir or cache_dir() / "leases",
+                                     holder=default_holder(run_dir)))
         except BaseException:
             if launcher is not None:
                 launcher.stop()
             raise
         pool._launcher = launcher
         if not any(s["in_rotation"] for s in pool.servers()):
+            refused = list(pool._refused.values())
             pool.close()
+            if refused:
+                raise ServerLeased("; ".join(refused) + " (each server here is in use)")
             named = addresses or f"the servers listed in {config.addresses_file}"
             raise ConnectionError(f"no generation server answers GET /health at {named}; "
                                   "start them, or leave --inference.addresses empty to launch")
@@ -384,6 +402,8 @@ class SGLangPool:
             self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=60)
         self._loop.close()
+        if self._leases is not None:
+            self._leases.release()
         if self._launcher is not None:
             self._launcher.stop()
 
@@ -499,6 +519,11 @@ class SGLangPool:
             "servers": sum(s.listed for s in self._servers.values()),
             "servers_healthy": len(self._rotation()),
             "servers_stale": sum(s.listed and s.stale for s in self._servers.values()),
+            "servers_joined": counts["servers_joined"],
+            # replies with tokens of older weights than the pool had when it sent the request:
+            # a server that missed an update
+            "behind_replies": counts["behind_replies"],
+            "servers_left": counts["servers_left"],
             "running": sum(s.inflight for s in self._servers.values()),
         }
 
@@ -532,12 +557,14 @@ class SGLangPool:
             active.wire_rid = f"{uuid.uuid4().hex}-{active.request.rid}"
             active.attempts += 1
             active.server, active.posted = server, True
-            epoch = self._epoch
+            epoch, sent_at = self._epoch, self._version
             server.inflight += 1
             try:
                 reply = await self._on_server(server, self._post_generate(server,
                                                                           self._body(active)))
                 versions = _token_versions(reply["meta_info"], len(reply["output_ids"]))
+                if versions and min(versions) < sent_at:  # never, when joining servers catch up
+                    self._counts["behind_replies"] += 1
             except (_ServerDown, _ServerError) as exc:
                 if isinstance(exc, _ServerDown):
                     self._take_out(server, exc)
@@ -946,9 +973,23 @@ class SGLangPool:
         while True:
             await asyncio.sleep(self._refresh_interval)
             try:
+                self._renew_leases()
                 await self._refresh()
             except Exception:
                 log.exception("refreshing the SGLang servers failed")
+
+    def _renew_leases(self) -> None:
+        """Every third of a lease's time; a server whose lease another run took over (this one
+        was not renewed in time) leaves rotation, before this run writes into it again."""
+        if self._leases is None or time.monotonic() - self._renewed < self._leases.ttl / 3:
+            return
+        self._renewed = time.monotonic()
+        for address in self._leases.renew():
+            server = self._servers.get(address)
+            log.error("SGLang server %s: this run's lease on it expired and another run took "
+                      "it: out of rotation", address)
+            if server is not None:
+                server.healthy = False
 
     async def _refresh(self, force: bool = False) -> None:
         """Sync with the addresses file; start liveness checks of servers holding requests; bring
@@ -962,6 +1003,8 @@ class SGLangPool:
             for address, server in list(self._servers.items()):
                 if not server.listed and server.inflight == 0:
                     del self._servers[address]
+                    if self._leases is not None:
+                        self._leases.release(address)
             # SGLang holds /health while generation is paused (503 after ~20 s): not then
             waiting = [] if self._paused else [
                 s for s in self._servers.values() if s.listed and not s.healthy]
@@ -991,9 +1034,11 @@ class SGLangPool:
         listed = {line.split("#")[0].strip() for line in lines} - {""}
         for address in listed - set(self._servers):
             self._servers[address] = _Server(address)
+            self._counts["servers_joined"] += 1
             log.info("SGLang server %s joins", address)
         for address, server in self._servers.items():
             if server.listed and address not in listed:
+                self._counts["servers_left"] += 1
                 log.info("SGLang server %s leaves", address)
             server.listed = address in listed
 
@@ -1026,6 +1071,15 @@ class SGLangPool:
             server.checking = False
 
     async def _admit(self, server: _Server) -> None:
+        if self._leases is not None:
+            try:
+                self._leases.acquire(server.address)
+            except ServerLeased as exc:
+                if self._refused.get(server.address) != str(exc).split(" (for")[0]:
+                    log.warning("%s", exc)
+                self._refused[server.address] = str(exc).split(" (for")[0]
+                return
+            self._refused.pop(server.address, None)
         try:
             info = await self._post(server, "/model_info", method="GET",
                                     timeout=self._health_timeout)
