@@ -180,3 +180,19 @@ def test_a_run_attaching_to_a_server_replaces_its_weights_and_waits_its_turn(
         assert completions(tmp_path / "second") == expected
     stale = completions(tmp_path / "first")[:len(expected)]
     assert stale != expected  # the server's old weights would have given other completions
+
+
+def test_a_lease_of_a_process_gone_from_this_host_is_free_at_once(tmp_path, clock):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    Leases(tmp_path, holder="a run killed outright", ttl=600).acquire("h:1")
+    lease_file = next(tmp_path.glob("*.lease"))
+    record = json.loads(lease_file.read_text())
+    with pytest.raises(ServerLeased):  # its process (this one) is alive
+        Leases(tmp_path, holder="B").acquire("h:1")
+    lease_file.write_text(json.dumps({**record, "pid": int(dead.stdout)}))  # now it is gone
+    Leases(tmp_path, holder="B").acquire("h:1")
+    elsewhere = {**record, "host": "another-node", "pid": int(dead.stdout)}
+    lease_file.write_text(json.dumps(elsewhere))  # on another host: trusted until it expires
+    with pytest.raises(ServerLeased, match="a run killed outright"):
+        Leases(tmp_path, holder="C").acquire("h:1")

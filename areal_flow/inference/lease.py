@@ -5,8 +5,9 @@ attach to them with ``--inference.addresses``. SGLang has no notion of an owner,
 live on the filesystem the runs already share for weight folders: one file per server address
 in a lease folder, saying which run holds it and until when. The SGLang pool takes a server's
 lease before it sends the server anything, renews its leases on every refresh, and gives them
-back when it closes. A lease whose time has passed (its run died) is free; a lease held by another
-live run makes the server unusable to this one, with a message naming the holder.
+back when it closes. A lease whose time has passed, or whose process is gone from this host (its
+run died), is free; a lease held by another live run makes the server unusable to this one, with
+a message naming the holder.
 
 Each lease is read, checked and written under an exclusive ``flock`` of its own lock file, so
 two runs starting together cannot both take a server (the lease folder must be on a filesystem
@@ -54,7 +55,7 @@ class Leases:
         with self._locked(path):
             current = self._read(path)
             if current is not None and current["token"] != self._token \
-                    and current["expires"] > time.time():
+                    and current["expires"] > time.time() and _alive(current):
                 left = current["expires"] - time.time()
                 raise ServerLeased(
                     f"generation server {address} is leased by {current['holder']} (for "
@@ -103,7 +104,8 @@ class Leases:
     def _write(self, path: Path, address: str) -> None:
         tmp = path.with_name(f"{path.name}.{self._token}.tmp")
         tmp.write_text(json.dumps({"address": address, "holder": self.holder,
-                                   "token": self._token, "expires": time.time() + self.ttl}))
+                                   "token": self._token, "expires": time.time() + self.ttl,
+                                   "host": socket.gethostname(), "pid": os.getpid()}))
         os.replace(tmp, path)
 
     def _path(self, address: str) -> Path:
@@ -116,3 +118,17 @@ class Leases:
             return json.loads(path.read_text())
         except FileNotFoundError:
             return None
+
+
+def _alive(lease: dict) -> bool:
+    """Whether the lease's process may still run: on another host it is taken on trust until
+    the lease expires; on this one a process that is gone holds nothing."""
+    if lease.get("host") != socket.gethostname() or "pid" not in lease:
+        return True
+    try:
+        os.kill(lease["pid"], 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True

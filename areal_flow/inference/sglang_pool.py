@@ -45,9 +45,9 @@ the calling (trainer) thread until the loop has done them.
   `LORA_NAME`, then ``/update_weight_version``; from then on every ``/generate`` names it in
   ``lora_path``, and a joining server gets the latest adapter the same way. The servers must run
   with LoRA enabled (`from_config` launches them so).
-- **Leases.** With `leases` (`lease.py`; `from_config` always), the pool holds a server's lease
-  before it sends it anything and renews it every third of its time: a server another live run
-  holds is never admitted (logged, and `from_config` fails naming the holder when no server is
+- **Leases.** With `leases` (`lease.py`; `from_config` for servers it did not launch), the pool
+  holds a server's lease before it sends it anything and renews it every third of its time: a
+  server another live run holds is never admitted (logged, and `from_config` fails naming the holder when no server is
   left), so two runs never write weights into one server.
 - **Request ids.** Each attempt goes out under a fresh id: 32 hex digits, a dash, and the
   request's own id: SGLang's ``/abort_request`` aborts every id that starts with the given one, so
@@ -335,8 +335,10 @@ class SGLangPool:
                        pause_timeout=config.pause_timeout,
                        health_timeout=config.health_timeout,
                        no_server_timeout=config.no_server_timeout,
-                       leases=Leases(config.lease_dir or cache_dir() / "leases",
-                                     holder=default_holder(run_dir)))
+                       # servers it launched are its own; others may be another run's
+                       leases=None if launcher is not None else Leases(
+                           config.lease_dir or cache_dir() / "leases",
+                           holder=default_holder(run_dir)))
         except BaseException:
             if launcher is not None:
                 launcher.stop()
