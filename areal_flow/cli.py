@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from areal_flow import registry
+from areal_flow.allocation import Allocation, cli_arg
 from areal_flow.evaluation import EvalConfig
 from areal_flow.registry import RegistryError
 from areal_flow.slurm import SlurmJob, sbatch_script
@@ -154,14 +155,37 @@ def plot(
 
 
 def slurm(job: Annotated[SlurmJob, tyro.conf.OmitArgPrefixes, tyro.conf.arg(name="")],
-          out: str | None = None) -> int:
-    """Print (or write with --out) an sbatch script for multi-node training: SGLang servers on
-    the first server_nodes nodes, torchrun on the rest; the training reads the servers from an
-    addresses file they are appended to as they come up. UNTESTED on real SLURM clusters.
+          out: str | None = None,
+          allocation: Annotated[Allocation | None, cli_arg()] = None) -> int:
+    """Print (or write with --out) an sbatch script for multi-node training: generation servers
+    (SGLang, or areal-flow serve on CPU nodes) on the first server_nodes nodes, torchrun on the
+    rest; the training reads the servers from an addresses file they are appended to as they come
+    up. Run under a real SLURM on CPU nodes only (tests/test_slurm_real.py); UNTESTED with GPUs
+    and SGLang.
 
     Args:
         out: File to write the script to; printed when not given.
+        allocation: Where everything runs, as the recipes take it ('generation: 4 servers x tp
+            2, training: 16 ranks on 3 nodes x 8 gpus'): sets --nodes, --server-nodes,
+            --gpus-per-node, --servers-per-node (and --server-program on cpu nodes).
     """
+    import attrs
+
+    from areal_flow.allocation import AllocationError, slurm_layout
+
+    if allocation is not None:
+        defaults = attrs.fields_dict(SlurmJob)
+        given = [f"--{name.replace('_', '-')}" for name in SLURM_ALLOCATION_FIELDS
+                 if getattr(job, name) != defaults[name].default]
+        if given:
+            _say(f"--allocation '{allocation}' already says {', '.join(given)}: give one or "
+                 "the other", error=True)
+            return 2
+        try:
+            job = attrs.evolve(job, **slurm_layout(allocation).job_fields())
+        except AllocationError as exc:
+            _say(f"--allocation: {exc}", error=True)
+            return 2
     try:
         script = sbatch_script(job)
     except ValueError as exc:
@@ -173,6 +197,11 @@ def slurm(job: Annotated[SlurmJob, tyro.conf.OmitArgPrefixes, tyro.conf.arg(name
     Path(out).write_text(script)
     _say(f"wrote {out}; submit it with: sbatch {out}")
     return 0
+
+
+SLURM_ALLOCATION_FIELDS = ("nodes", "server_nodes", "gpus_per_node", "servers_per_node",
+                           "server_program")
+"""The `areal-flow slurm` options an --allocation sets (given with it, they are refused)."""
 
 
 def eval_(cfg: EvalConfig) -> int:

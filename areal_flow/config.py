@@ -16,6 +16,8 @@ import attrs
 import cattrs
 from attrs import validators as v
 
+from areal_flow.allocation import Allocation
+
 T = TypeVar("T")
 
 
@@ -130,6 +132,9 @@ class OptimizerConfig:
 
 
 _converter = cattrs.Converter(forbid_extra_keys=True)
+# an allocation is saved as the one line it was given as (config.yaml reads like the command)
+_converter.register_unstructure_hook(Allocation, str)
+_converter.register_structure_hook(Allocation, lambda text, _: Allocation.parse(text))
 
 
 def fast_bf16() -> bool:

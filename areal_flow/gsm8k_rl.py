@@ -5,15 +5,18 @@ task; each brings its own default reward, whose `metrics` the panel shows."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
+import os
 import re
+import shlex
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, NoReturn, TypeVar
 
 import attrs
 import torch
@@ -22,6 +25,8 @@ import yaml
 from attrs import validators as v
 
 from areal_flow import registry
+from areal_flow.allocation import (Allocation, AllocationError, cli_arg, launch_command,
+                                   refuse_replaced_flags, slurm_layout)
 from areal_flow.config import (InferenceConfig, OptimizerConfig, RolloutConfig, fast_bf16, load,
                                structure)
 from areal_flow.algorithms.functional import flat_groups
@@ -41,6 +46,7 @@ PROMPT = ("Answer the question. Show short reasoning, then the final number afte
 """A one-shot prompt: SmolLM2-135M then writes '#### N' in about 1 completion of 6."""
 REASONING_GYM_PROMPT = "{question} Reply with only the final answer."
 """The default prompt for reasoning-gym rows (the reward reads the last number or line)."""
+AllocationOption = Annotated[Allocation | None, cli_arg()]
 
 
 @attrs.frozen(kw_only=True)
@@ -81,6 +87,13 @@ class RLConfig(RunConfig):
     train: TrainConfig = TrainConfig(optim=OptimizerConfig(lr=2e-5), bf16=fast_bf16(),
                                      max_tokens_per_mb=512)
     inference: InferenceConfig = InferenceConfig()
+    allocation: AllocationOption = None
+    """Where everything runs: 'generation: 2 servers x tp 2, training: 4 ranks' (one node:
+    ranks on the first GPUs, servers on the next); '... on 3 nodes x 8 gpus'; '... on cpu'.
+    Sets --inference.backend/server-gpus/tp-size; grammar in areal_flow/allocation.py."""
+    dry_run: bool = False
+    """Print where each process would run (--allocation) and how to start them; then exit,
+    before any model or data is read."""
     critic: TrainConfig = TrainConfig(optim=OptimizerConfig(lr=5e-5), bf16=fast_bf16(),
                                       max_tokens_per_mb=512)
     """The critic's training settings, for an algorithm with the critic role (ppo): a value
@@ -91,6 +104,10 @@ class RLConfig(RunConfig):
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
+        if self.allocation is not None:  # the one source of where generation runs
+            default = attrs.fields(type(self)).inference.default
+            object.__setattr__(self, "inference",  # frozen: set once, while being built
+                               self.allocation.apply(self.inference, default=default))
         spec = registry.algorithms.spec(self.algorithm_name)  # an unknown name fails here
         options = self.algorithm
         if spec.config is not None and not isinstance(options, spec.config):
@@ -110,6 +127,10 @@ def cli(config_class: type[C], args: Sequence[str] | None = None) -> C:
     the type of the `algorithm` field: NAME's config class, starting from its defaults, so that
     the --algorithm.<field> options that follow are that class's (and `--help` shows them)."""
     args = list(sys.argv[1:] if args is None else args)
+    try:
+        refuse_replaced_flags(args)
+    except AllocationError as error:
+        _usage_error(error)
     name = next((value for flag, value in zip(args, args[1:]) if flag == "--algorithm"), None)
     name = next((a.split("=", 1)[1] for a in args if a.startswith("--algorithm=")), name)
     default = attrs.fields_dict(config_class)["algorithm_name"].default
@@ -127,6 +148,78 @@ def cli(config_class: type[C], args: Sequence[str] | None = None) -> C:
         config_class = attrs.frozen(kw_only=True)(
             type(config_class.__name__, (config_class,), namespace))
     return tyro.cli(config_class, args=args)
+
+
+def _usage_error(error: Exception) -> NoReturn:
+    """Exit 2, as tyro does for a bad option, with the message alone (no traceback)."""
+    if int(os.environ.get("RANK", 0)) == 0:  # not once per torchrun rank
+        print(f"error: {error}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def dry_run(cfg: RLConfig) -> None:
+    """--dry-run: where each process would run, and the command that starts them."""
+    from rich.console import Console
+
+    from areal_flow.slurm import SlurmJob
+
+    console = Console(soft_wrap=True, highlight=False)
+    say = functools.partial(console.print, markup=False)
+    allocation = cfg.allocation
+    if allocation is None:
+        say(f"no --allocation: generation by the {cfg.inference.backend!r} pool as the "
+            "--inference options say, training on the ranks torchrun starts")
+        return
+    # several nodes: the servers are started by the SLURM job, at its ports
+    port_base = attrs.fields(SlurmJob).port_base.default if allocation.nodes > 1 else None
+    say(f"--allocation '{allocation}': {allocation.summary()}")
+    console.print(allocation.placement(port_base=port_base).table())
+    say(f"start it with:\n  {launch_command(allocation, _recipe_command(drop=('--dry-run',)))}")
+    if allocation.nodes > 1:
+        try:
+            fields = slurm_layout(allocation).job_fields()
+        except AllocationError as error:
+            say(f"(no SLURM job for it: {error})")
+            return
+        flags = " ".join(f"--{name.replace('_', '-')} {value}" for name, value in fields.items())
+        rest = _recipe_command(drop=("--dry-run", "--allocation", "--model"))[1:]
+        say(f"or as a SLURM job, which starts the servers and the training:\n  areal-flow "
+            f"slurm --model {shlex.quote(cfg.model or 'MODEL')} {flags} --out job.sh"
+            + (f" -- {shlex.join(rest)}" if rest else ""))
+
+
+def check_allocation(cfg: RLConfig) -> None:
+    """--allocation against how this process was started: torchrun's world is its training
+    ranks, this node has its GPUs, servers on other nodes come as addresses; exit 2, with the
+    command to use, when not."""
+    if cfg.allocation is None:
+        return
+    try:
+        cfg.allocation.check_launch(
+            world_size=int(os.environ.get("WORLD_SIZE", 1)),
+            local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+            visible_gpus=torch.cuda.device_count(),
+            has_addresses=bool(cfg.inference.addresses or cfg.inference.addresses_file),
+            command=_recipe_command(drop=()))
+    except AllocationError as error:
+        _usage_error(error)
+
+
+def _recipe_command(drop: Sequence[str]) -> list[str]:
+    """This recipe's command line without the options in `drop` (each with its value, except
+    --dry-run), its path relative to the working folder when inside it."""
+    script, *rest = sys.argv
+    kept, words = [], iter(rest)
+    for arg in words:
+        flag = arg.split("=", 1)[0]
+        if flag not in drop:
+            kept.append(arg)
+        elif "=" not in arg and flag != "--dry-run":
+            next(words, None)  # the option's value
+    path = Path(script).resolve()
+    if path.is_relative_to(Path.cwd()):
+        script = str(path.relative_to(Path.cwd()))
+    return [script, *kept]
 
 
 def algorithm(cfg: RLConfig) -> Any:

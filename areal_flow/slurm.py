@@ -1,23 +1,38 @@
-"""An sbatch script for multi-node training: SGLang servers on some nodes, torchrun on the rest.
+"""An sbatch script for multi-node training: generation servers on some nodes, torchrun on the rest.
 
-UNTESTED on real SLURM clusters: the tests check its shell syntax and run it against stand-ins
-for srun, scontrol, curl and torchrun.
-The servers are started by the same command builder as `SGLangLauncher` (`sglang_command`); each
-server's ``host:port`` is appended to an addresses file once it answers ``GET /health``, and the
-training's `SGLangPool` re-reads that file, so servers that come up late join while it runs.
+The servers are SGLang (GPU nodes) or `areal-flow serve` (``--server-program areal-flow``: the
+SGLang protocol over our local engine, for CPU nodes; ``--gpus-per-node 0`` asks SLURM for no
+GPUs and runs one training rank per node). The servers are started by the same command builders as
+`SGLangLauncher` (`sglang_command`, `serve_command`); each server's ``host:port`` is appended to an
+addresses file once it answers ``GET /health``, and the training's `SGLangPool` re-reads that
+file, so servers that come up late join while it runs.
+
+Tested under a real SLURM (Debian's slurm-wlm 22.05, started by `scripts/slurm_local.sh`: three
+``slurmd -N`` on one machine emulate three nodes) by ``tests/test_slurm_real.py``: CPU nodes,
+``--server-program areal-flow``; one server node with one training node, and with two training
+nodes (torchrun's c10d rendezvous across nodes, a world of 2); a short GRPO run end to end; and
+``scancel`` mid-run leaving a checkpoint that a second job resumes from.
+
+UNTESTED (only the stand-ins of ``tests/test_slurm.py`` run these: fake srun, scontrol, curl,
+torchrun): GPUs (the ``--gpus-per-node`` request, ``CUDA_VISIBLE_DEVICES`` per server, several
+ranks per node); SGLang itself as the server; several servers per node and several server nodes
+(emulated nodes share one machine, so their servers' ports would collide); nodes that are
+separate machines (name resolution between them, the shared filesystem the job folder, weights
+and run folder need, firewalls between the nodes' ports).
 """
 
 from __future__ import annotations
 
 import re
 import shlex
-from typing import Annotated
+from typing import Annotated, Literal
 
 import attrs
 import tyro
 
 RENDEZVOUS_PORT = 29500
-HEALTH_POLL_SECONDS = 10
+HEALTH_POLL_SECONDS = 2
+"""How often the job polls a starting server's /health (a curl: cheap)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -27,16 +42,21 @@ class SlurmJob:
     model: str
     """HF folder or hub id, read by the servers and the training ranks (use a shared path)."""
     nodes: int = 1
-    """Training nodes (torchrun, gpus_per_node ranks each)."""
+    """Training nodes (torchrun, gpus_per_node ranks each; one on CPU nodes)."""
     server_nodes: int = 1
-    """Nodes that run SGLang servers."""
+    """Nodes that run generation servers."""
     gpus_per_node: int = 8
-    """GPUs on every node."""
+    """GPUs on every node; 0: CPU nodes (no GPU request, one training rank per node, servers
+    must be areal-flow)."""
     servers_per_node: int = 1
-    """SGLang servers per server node; each gets gpus_per_node / servers_per_node GPUs as its
+    """Servers per server node; on GPU nodes each gets gpus_per_node / servers_per_node GPUs as its
     tensor-parallel size."""
+    server_program: Literal["sglang", "areal-flow"] = "sglang"
+    """What the servers run: SGLang (GPU nodes), or `areal-flow serve` (our SGLang-protocol server
+    over the local engine: CPU nodes and tests; on GPU nodes it uses its GPUs without tensor
+    parallelism)."""
     recipe: str = "recipes/gsm8k_grpo.py"
-    """The training script, relative to the folder sbatch is run from."""
+    """The training script, relative to the folder sbatch is run from (or absolute)."""
     job_name: str = "areal-flow"
     """SLURM job name (also names the log file, <job_name>-<job id>.out)."""
     time: str = "24:00:00"
@@ -45,26 +65,43 @@ class SlurmJob:
     """SLURM partition; the cluster's default when not given."""
     port_base: int = 30000
     """Port of the first server on a node; the next ones count up from it."""
+    rendezvous_port: int = RENDEZVOUS_PORT
+    """Port of torchrun's rendezvous on the first training node."""
     recipe_args: Annotated[tuple[str, ...], tyro.conf.Positional,
                            tyro.conf.arg(metavar="[-- RECIPE_ARG ...]")] = ()
     """More arguments for the recipe, after `--`: -- --steps 200 --rollout.batch-size 64."""
 
     @property
     def tp_size(self) -> int:
+        """GPUs per server (0 on CPU nodes)."""
         return self.gpus_per_node // self.servers_per_node
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Training ranks per training node: one per GPU, one on a CPU node."""
+        return self.gpus_per_node or 1
 
 
 def check(job: SlurmJob) -> None:
     """Raise ValueError naming the first field with a value the script cannot use."""
-    for field in ("nodes", "server_nodes", "gpus_per_node", "servers_per_node"):
+    for field in ("nodes", "server_nodes", "servers_per_node"):
         if getattr(job, field) < 1:
             raise ValueError(f"'{field}' must be >= 1: {getattr(job, field)}")
-    if job.gpus_per_node % job.servers_per_node:
+    if job.gpus_per_node < 0:
+        raise ValueError(f"'gpus_per_node' must be >= 0 (0: CPU nodes): {job.gpus_per_node}")
+    if job.server_program not in ("sglang", "areal-flow"):
+        raise ValueError(f"'server_program' must be sglang or areal-flow: {job.server_program!r}")
+    if job.gpus_per_node == 0 and job.server_program == "sglang":
+        raise ValueError("'gpus_per_node' 0 (CPU nodes) needs --server-program areal-flow: "
+                         "SGLang runs on GPUs")
+    if job.gpus_per_node and job.gpus_per_node % job.servers_per_node:
         raise ValueError(f"'servers_per_node' must divide gpus_per_node={job.gpus_per_node} "
                          f"(each server gets the same number of GPUs): {job.servers_per_node}")
     if not 1024 <= job.port_base <= 65535 - job.servers_per_node:
         raise ValueError(f"'port_base' must be in 1024..{65535 - job.servers_per_node}: "
                          f"{job.port_base}")
+    if not 1024 <= job.rendezvous_port <= 65535:
+        raise ValueError(f"'rendezvous_port' must be in 1024..65535: {job.rendezvous_port}")
     # #SBATCH lines are split on whitespace
     for field in ("job_name", "time", "partition"):
         value = getattr(job, field)
@@ -75,19 +112,26 @@ def check(job: SlurmJob) -> None:
 
 
 def server_commands(job: SlurmJob) -> list[tuple[int, str, list[str]]]:
-    """(port, CUDA_VISIBLE_DEVICES, command) of each server on a server node."""
-    from areal_flow.inference.launcher import SGLangLauncher, ServerSlot, sglang_command
+    """(port, CUDA_VISIBLE_DEVICES, command) of each server on a server node ("" for the
+    devices on CPU nodes: none visible)."""
+    from areal_flow.inference.launcher import (SGLangLauncher, ServerSlot, serve_command,
+                                               sglang_command)
 
     ports = tuple(job.port_base + i for i in range(job.servers_per_node))
-    launcher = SGLangLauncher(job.model, gpus=tuple(range(job.gpus_per_node)),
-                              tp_size=job.tp_size, host="0.0.0.0", ports=ports)
+    tp = job.tp_size or 1  # CPU nodes: one "slot" per server, no GPUs in it
+    launcher = SGLangLauncher(job.model, gpus=tuple(range(tp * job.servers_per_node)),
+                              tp_size=tp, host="0.0.0.0", ports=ports)
     servers = []
     for index, port in enumerate(ports):
         gpus = tuple(range(index * job.tp_size, (index + 1) * job.tp_size))
-        argv = sglang_command(launcher, ServerSlot(index=index, host="0.0.0.0", port=port,
-                                                   gpus=gpus))
+        slot = ServerSlot(index=index, host="0.0.0.0", port=port, gpus=gpus)
         # this machine's interpreter path means nothing on the nodes: use the job's PATH
-        servers.append((port, ",".join(map(str, gpus)), ["python", *argv[1:]]))
+        if job.server_program == "sglang":
+            argv = ["python", *sglang_command(launcher, slot)[1:]]
+        else:  # [python, -m, areal_flow.cli, serve, ...] -> areal-flow serve ...
+            argv = ["areal-flow", *serve_command(
+                launcher, slot, device=None if job.gpus_per_node else "cpu")[3:]]
+        servers.append((port, ",".join(map(str, gpus)), argv))
     return servers
 
 
@@ -98,21 +142,28 @@ def sbatch_script(job: SlurmJob) -> str:
     check(job)
     q = shlex.quote
     partition = f"#SBATCH --partition={job.partition}\n" if job.partition else ""
-    starts = "".join(f"  start_server \"$node\" {port} {gpus} {shlex.join(argv)}\n"
-                     for port, gpus, argv in server_commands(job))
+    gpus = f"#SBATCH --gpus-per-node={job.gpus_per_node}\n" if job.gpus_per_node else ""
+    starts = "".join(f"  start_server \"$node\" {port} {q(devices)} {shlex.join(argv)}\n"
+                     for port, devices, argv in server_commands(job))
     train = shlex.join(["--model", job.model, "--inference.backend", "sglang"])
     extra = f" \\\n    {shlex.join(job.recipe_args)}" if job.recipe_args else ""
+    program = "SGLang" if job.server_program == "sglang" else "areal-flow serve"
+    if job.gpus_per_node:
+        layout = f"{job.tp_size} GPU(s) per server; {job.nodes} node(s) train, " \
+                 f"{job.gpus_per_node} rank(s) each"
+        status = "UNTESTED on real SLURM clusters with GPUs: read it before submitting."
+    else:
+        layout = f"CPU nodes; {job.nodes} node(s) train, one rank each"
+        status = "CPU nodes with areal-flow serve: tested under a real SLURM (one machine)."
     return f"""#!/bin/bash
-# Generated by `areal-flow slurm`. UNTESTED on real SLURM clusters: read it before submitting.
-# {job.server_nodes} node(s) run {job.servers_per_node} SGLang server(s) each \
-({job.tp_size} GPU(s) per server); {job.nodes} node(s) train.
+# Generated by `areal-flow slurm`. {status}
+# {job.server_nodes} node(s) run {job.servers_per_node} {program} server(s) each ({layout}).
 # The job inherits the environment sbatch runs in (activate the venv first); the folder sbatch
 # runs from must be on a filesystem every node sees (addresses file, weights, run folder).
 #SBATCH --job-name={job.job_name}
 #SBATCH --nodes={job.nodes + job.server_nodes}
 #SBATCH --ntasks-per-node=1
-#SBATCH --gpus-per-node={job.gpus_per_node}
-#SBATCH --exclusive
+{gpus}#SBATCH --exclusive
 #SBATCH --mem=0
 #SBATCH --time={job.time}
 #SBATCH --output=%x-%j.out
@@ -134,8 +185,9 @@ HEAD=${{TRAIN_HOSTS[0]}}
 JOB_DIR="$SLURM_SUBMIT_DIR/slurm-$SLURM_JOB_ID"
 ADDRESSES="$JOB_DIR/addresses.txt"
 mkdir -p "$JOB_DIR/logs"
-echo "# SGLang servers (host:port) that answer /health; the training re-reads this file" \\
+echo "# generation servers (host:port) that answer /health; the training re-reads this file" \\
   > "$ADDRESSES"
+echo "server nodes: ${{SERVER_HOSTS[*]}}; training nodes: ${{TRAIN_HOSTS[*]}}; logs: $JOB_DIR/logs"
 
 # SLURM would end the servers with the job; this ends them as soon as training exits
 # (srun passes SIGTERM on to its task)
@@ -161,7 +213,7 @@ start_server() {{
       fi
       sleep {HEALTH_POLL_SECONDS}
     done
-    echo "SGLang server $node:$port exited before answering /health: see $JOB_DIR/logs" >&2
+    echo "server $node:$port exited before answering /health: see $JOB_DIR/logs" >&2
   ) &
 }}
 
@@ -179,15 +231,18 @@ for node in "${{SERVER_HOSTS[@]}}"; do
 # the pool needs one answering server to start; the others join when they answer
 until grep -qv '^#' "$ADDRESSES"; do
   if ! any_server_running; then
-    echo "every SGLang server exited before answering /health: see $JOB_DIR/logs" >&2
+    echo "every server exited before answering /health: see $JOB_DIR/logs" >&2
     exit 1
   fi
   sleep {HEALTH_POLL_SECONDS}
 done
 
-srun --nodes="$TRAIN_NODES" --ntasks-per-node=1 -w "$(IFS=,; echo "${{TRAIN_HOSTS[*]}}")" \\
-  torchrun --nnodes "$TRAIN_NODES" --nproc-per-node {job.gpus_per_node} \\
-    --rdzv-backend c10d --rdzv-endpoint "$HEAD:{RENDEZVOUS_PORT}" --rdzv-id "$SLURM_JOB_ID" \\
+# one torchrun per training node (--ntasks: else srun takes the job's SLURM_NTASKS, which counts
+# the server nodes too, and starts two torchruns on one node)
+srun --nodes="$TRAIN_NODES" --ntasks="$TRAIN_NODES" --ntasks-per-node=1 \\
+  -w "$(IFS=,; echo "${{TRAIN_HOSTS[*]}}")" \\
+  torchrun --nnodes "$TRAIN_NODES" --nproc-per-node {job.ranks_per_node} \\
+    --rdzv-backend c10d --rdzv-endpoint "$HEAD:{job.rendezvous_port}" --rdzv-id "$SLURM_JOB_ID" \\
     {q(job.recipe)} {train} \\
     --inference.addresses-file "$ADDRESSES"{extra}
 """

@@ -50,6 +50,9 @@ def main(cfg: Config) -> None:
     workflow_config = gsm8k_rl.workflow_config(cfg)  # bad names fail before any work
     algorithm = gsm8k_rl.algorithm(cfg)  # e.g. GRPO(cfg.algorithm)
     pool_class = registry.generation_pools.get(cfg.inference.backend)
+    if cfg.dry_run:  # where each process would run, and how to start them; nothing is read
+        return gsm8k_rl.dry_run(cfg)
+    gsm8k_rl.check_allocation(cfg)  # torchrun's world and this node's GPUs are --allocation's
     rank, world, _ = init_distributed()
     run = RunDir(same_on_all_ranks(cfg.run_dir or RunDir.default_path(gsm8k_rl.run_name(cfg))),
                  resume=cfg.resume, keep_checkpoints=cfg.keep_checkpoints)

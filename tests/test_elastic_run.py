@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from areal_flow.inference.launcher import SGLangLauncher, serve_command
 from tests.helpers import ROOT, metrics
 from tests.test_sglang_pool import write_addresses
@@ -34,6 +36,7 @@ def logged_steps(run_dir: Path) -> int:
     return max((m["step"] for m in logged(run_dir)), default=0)
 
 
+@pytest.mark.faults
 def test_a_server_joins_and_another_dies_mid_run_and_no_group_is_lost(tiny_model_dir, tmp_path):
     listing, run_dir = tmp_path / "servers.txt", tmp_path / "run"
     data = tmp_path / "rows.jsonl"  # more rows than the run trains on: no group comes twice

@@ -132,6 +132,7 @@ def test_after_lora_steps_the_engine_generates_what_the_merged_model_does(traine
     assert logprobs == pytest.approx(expected_logprobs, abs=1e-4)
 
 
+@pytest.mark.faults
 def test_the_engine_refuses_an_adapter_that_does_not_fit(trained, tiny_model_dir):
     trainer, _, _ = trained
     engine = LocalEngine(tiny_model_dir)
@@ -231,6 +232,7 @@ def test_protocol_server_loads_and_unloads_adapters_as_sglang_does(trained, tiny
         engine.close()
 
 
+@pytest.mark.faults
 def test_a_server_without_enable_lora_refuses_adapters_with_sglangs_message(trained,
                                                                              tiny_model_dir):
     _, _, export = trained

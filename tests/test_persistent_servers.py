@@ -47,6 +47,7 @@ def test_a_held_lease_refuses_another_run_naming_the_holder(tmp_path, clock):
     assert second.held == {"n3:30000", "n3:30001"}
 
 
+@pytest.mark.faults
 def test_an_expired_lease_is_taken_over_and_its_old_holder_learns_it_on_renewal(tmp_path,
                                                                                  clock):
     first = Leases(tmp_path, holder="A", ttl=60)
@@ -133,6 +134,7 @@ def completions(run_dir: Path) -> list[str]:
             for line in (run_dir / "samples.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.faults
 def test_a_run_attaching_to_a_server_replaces_its_weights_and_waits_its_turn(
         tiny_model_dir, gsm8k_file, other_weights, tmp_path):
     leases = tmp_path / "leases"
@@ -182,6 +184,7 @@ def test_a_run_attaching_to_a_server_replaces_its_weights_and_waits_its_turn(
     assert stale != expected  # the server's old weights would have given other completions
 
 
+@pytest.mark.faults
 def test_a_lease_of_a_process_gone_from_this_host_is_free_at_once(tmp_path, clock):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)

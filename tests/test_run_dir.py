@@ -91,11 +91,30 @@ def test_pruning_keeps_two_complete_checkpoints_by_default(tmp_path):
     assert sorted(p.name for p in run.checkpoints.iterdir()) == ["step-000006", "step-000008"]
 
 
-def test_a_second_sigterm_stops_at_once():
-    """SLURM and Kubernetes send SIGTERM again before SIGKILL: the second one must not be
-    ignored while a step (or a wait) finishes."""
+def test_a_second_sigterm_stops_at_once(monkeypatch):
+    """Asked again (a second Ctrl-C, or SIGTERM then Ctrl-C), the run must not wait for the step
+    (or a wait) to finish."""
+    import areal_flow.run
+
+    now = [100.0]
+    monkeypatch.setattr(areal_flow.run.time, "monotonic", lambda: now[0])
     with StopRequest() as stop:
         os.kill(os.getpid(), signal.SIGTERM)
         assert stop.requested
+        now[0] += 2.0
         with pytest.raises(KeyboardInterrupt):
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_a_sigterm_relayed_by_torchrun_is_the_same_stop(monkeypatch):
+    """scancel sends SIGTERM to every process of the step and torchrun relays its own to the
+    ranks: two within milliseconds ask for one graceful stop, not an interrupt."""
+    import areal_flow.run
+
+    now = [100.0]
+    monkeypatch.setattr(areal_flow.run.time, "monotonic", lambda: now[0])
+    with StopRequest() as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        now[0] += 0.005
+        os.kill(os.getpid(), signal.SIGTERM)  # no KeyboardInterrupt
+        assert stop.requested

@@ -1,5 +1,6 @@
 """`areal-flow slurm`: the sbatch script's content, its shell syntax, and what it does when run
-against stand-ins for srun, scontrol, curl, python and torchrun (no SLURM here)."""
+against stand-ins for srun, scontrol, curl, python and torchrun (the GPU layout, which no real
+SLURM here can run; test_slurm_real.py submits the CPU layout to a real one)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,35 @@ def test_script_content():
     assert torchrun.rstrip().endswith(shlex.join(JOB.recipe_args))
 
 
+def test_cpu_nodes_run_areal_flow_serve_and_one_rank_per_node():
+    job = attrs.evolve(JOB, gpus_per_node=0, server_program="areal-flow")
+    script = sbatch_script(job)
+    assert "#SBATCH --gpus-per-node" not in script  # no GPU request: CPU nodes qualify
+    assert "UNTESTED" not in script.splitlines()[1]  # tests/test_slurm_real.py runs this layout
+    servers = server_lines(script)
+    assert len(servers) == job.servers_per_node
+    for index, argv in enumerate(servers):
+        port = job.port_base + index
+        assert argv[2:4] == [str(port), ""]  # CUDA_VISIBLE_DEVICES="": no GPU visible
+        command = argv[4:]
+        assert command[:2] == ["areal-flow", "serve"]
+        flags = dict(zip(command[2::2], command[3::2]))
+        assert (flags["--model"], flags["--port"], flags["--device"]) == (job.model, str(port),
+                                                                          "cpu")
+    torchrun = script[script.index("torchrun"):]
+    assert "--nnodes \"$TRAIN_NODES\" --nproc-per-node 1 " in torchrun
+
+
+def test_areal_flow_serve_on_gpu_nodes_gets_its_gpus():
+    job = attrs.evolve(JOB, server_program="areal-flow", rendezvous_port=29600)
+    script = sbatch_script(job)
+    assert f"#SBATCH --gpus-per-node={job.gpus_per_node}" in script
+    first = server_lines(script)[0]
+    assert first[3] == "0,1,2,3" and first[4:6] == ["areal-flow", "serve"]
+    assert "--device" not in first  # auto: the GPUs CUDA_VISIBLE_DEVICES shows
+    assert '--rdzv-endpoint "$HEAD:29600"' in script
+
+
 def test_partition_line():
     script = sbatch_script(attrs.evolve(JOB, partition="gpu-long"))
     assert "#SBATCH --partition=gpu-long" in script
@@ -63,6 +93,7 @@ def test_script_passes_bash_syntax_check(tmp_path):
 @pytest.mark.parametrize(("field", "value"), [
     ("nodes", 0), ("server_nodes", 0), ("gpus_per_node", 0), ("servers_per_node", 3),
     ("port_base", 80), ("job_name", "two words"), ("time", ""), ("model", ""),
+    ("gpus_per_node", -1), ("rendezvous_port", 70000),
 ])
 def test_bad_values_name_the_field(field, value):
     with pytest.raises(ValueError, match=f"'{field}'"):
@@ -77,6 +108,22 @@ def test_cli_writes_the_script(tmp_path, capsys):
     assert main(args) == 0
     assert out.read_text() == sbatch_script(JOB)
     assert str(out) in capsys.readouterr().out
+
+
+def test_cli_takes_the_layout_from_an_allocation(tmp_path, capsys):
+    """--allocation (the recipes' form) writes the script the separate options write, and
+    refuses them beside it."""
+    by_options, by_allocation = tmp_path / "options.sh", tmp_path / "allocation.sh"
+    assert main(["slurm", "--model", "m", "--nodes", "2", "--server-nodes", "1",
+                 "--gpus-per-node", "8", "--servers-per-node", "4", "--out",
+                 str(by_options)]) == 0
+    allocation = "generation: 4 servers x tp 2, training: 16 ranks on 3 nodes x 8 gpus"
+    assert main(["slurm", "--model", "m", "--allocation", allocation, "--out",
+                 str(by_allocation)]) == 0
+    assert by_allocation.read_text() == by_options.read_text()
+    capsys.readouterr()
+    assert main(["slurm", "--model", "m", "--allocation", allocation, "--nodes", "3"]) == 2
+    assert f"--allocation '{allocation}' already says --nodes" in capsys.readouterr().err
 
 
 def test_cli_names_a_bad_field(capsys):
