@@ -46,6 +46,16 @@ def perturbed(model, scale: float, seed: int) -> dict[str, torch.Tensor]:
     return {k: v + scale * torch.randn(v.shape, generator=g) for k, v in model.state_dict().items()}
 
 
+def save_perturbed(model_dir, path, scale: float, seed: int):
+    """A `save_pretrained` folder of `model_dir`'s model perturbed (other weights, same shape)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    model.load_state_dict(perturbed(model, scale, seed))
+    model.save_pretrained(path)
+    return path
+
+
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
     eng = LocalEngine(tiny_model_dir, max_batch_size=16)

@@ -12,13 +12,13 @@ import time
 from pathlib import Path
 
 import pytest
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from areal_flow.inference import lease as lease_module
 from areal_flow.inference.launcher import SGLangLauncher, serve_command
 from areal_flow.inference.lease import Leases, ServerLeased
 from tests.helpers import ROOT, metrics, run_recipe
-from tests.test_local_engine import perturbed
+from tests.test_local_engine import save_perturbed
 
 RECIPE = "gsm8k_grpo.py"
 
@@ -111,11 +111,8 @@ def test_runs_taking_an_expired_lease_together_never_both_hold_it(tmp_path, cloc
 @pytest.fixture(scope="module")
 def other_weights(tiny_model_dir, tmp_path_factory) -> Path:
     """Weights of another run: the tiny model perturbed."""
-    path = tmp_path_factory.mktemp("other_weights")
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    model.load_state_dict(perturbed(model, 0.2, seed=5))
-    model.save_pretrained(path)
-    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(path)
+    path = save_perturbed(tiny_model_dir, tmp_path_factory.mktemp("other_weights"), 0.2, seed=5)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(path)  # a run needs one
     return path
 
 

@@ -33,7 +33,8 @@ from areal_flow.inference.sglang_pool import SGLangPool, WeightUpdateError, _res
 from areal_flow.runtime import weight_sync
 from areal_flow.runtime.engine import TrainConfig, TrainEngine
 from areal_flow.types import GenerationRequest, SamplingParams, WeightUpdate
-from tests.test_local_engine import forward_logprobs, greedy_reference, perturbed, prompts
+from tests.test_local_engine import (forward_logprobs, greedy_reference, perturbed, prompts,
+                                     save_perturbed)
 from tests.test_protocol_server import free_port, wait_for
 
 
@@ -51,11 +52,7 @@ def addrs(cluster):
 
 @pytest.fixture(scope="module")
 def w1_dir(tiny_model_dir, tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("w1")
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    model.load_state_dict(perturbed(model, 0.05, seed=21))
-    model.save_pretrained(path)
-    return path
+    return save_perturbed(tiny_model_dir, tmp_path_factory.mktemp("w1"), 0.05, seed=21)
 
 
 @pytest.fixture(scope="module")
