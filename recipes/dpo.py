@@ -75,7 +75,7 @@ def main(cfg: Config) -> None:
     eval_batch = collate_pairs(tokenizer, eval_pairs[rank::world]) if eval_pairs else None
     algorithm = DPO(cfg.algorithm)
     trainer = TrainEngine(model, cfg.train)
-    ref = TrainEngine(model, cfg.train, trainable=False)  # the initial weights, also on resume
+    ref = trainer.reference(model)  # the initial weights, also on resume (LoRA: its base)
     start, _ = run.load_checkpoint(trainer) if cfg.resume else (0, None)
     # the reference never changes: its held-out log-probs are computed once
     eval_ref = ref.forward(eval_batch)["logprobs"] if eval_batch is not None else None

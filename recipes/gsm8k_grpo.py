@@ -61,7 +61,7 @@ def main(cfg: Config) -> None:
         cfg.model or (str(offline.packaged_smollm2()) if rank == 0 else None))
     train_rows, eval_rows, data_note = gsm8k_rl.load_data(cfg, model, rank)  # before weights load
     trainer = TrainEngine(model, cfg.train)
-    ref = TrainEngine(model, cfg.train, trainable=False) if "ref" in algorithm.roles else None
+    ref = trainer.reference(model) if "ref" in algorithm.roles else None  # LoRA: its base
     critic = TrainEngine(model, cfg.critic, value=True) if "critic" in algorithm.roles else None
     teacher = TrainEngine(cfg.teacher, cfg.train, trainable=False) \
         if "teacher" in algorithm.roles else None  # --teacher, checked in load_data

@@ -133,6 +133,23 @@ def test_after_lora_steps_the_engine_generates_what_the_merged_model_does(traine
 
 
 @pytest.mark.faults
+def test_a_lora_policys_reference_is_its_own_base_model(trained, tiny_model_dir):
+    """No second copy of the weights: the reference runs the policy with its adapter off, and
+    the adapter is back on afterwards."""
+    from areal_flow.runtime.engine import BaseModelRole
+
+    trainer, _, _ = trained
+    batch = fixed_batch(trainer.model.config.vocab_size)
+    policy = trainer.forward(batch)["logprobs"]
+    ref = trainer.reference(tiny_model_dir)
+    assert isinstance(ref, BaseModelRole) and ref.engine is trainer
+    base = TrainEngine(tiny_model_dir, TrainConfig(), trainable=False).forward(batch)["logprobs"]
+    torch.testing.assert_close(ref.forward(batch)["logprobs"], base, rtol=1e-5, atol=1e-5)
+    assert (policy - base).abs().max() > 1e-2  # the adapter matters, so the check above can fail
+    torch.testing.assert_close(trainer.forward(batch)["logprobs"], policy, rtol=0, atol=0)
+    assert all(p.requires_grad for n, p in trainer.model.named_parameters() if is_adapter(n))
+
+
 def test_the_engine_refuses_an_adapter_that_does_not_fit(trained, tiny_model_dir):
     trainer, _, _ = trained
     engine = LocalEngine(tiny_model_dir)
@@ -273,15 +290,19 @@ def lora_args(model, data, run_dir, *extra):
             "--steps", "3", "--eval-size", "4", "--save-every", "3",
             "--rollout.batch-size", "2", "--rollout.group-size", "2",
             "--sampling.max-new-tokens", "8", "--train.optim.lr", "1e-2",
-            "--inference.dtype", "float32", "--train.lora.rank", "4", *extra]
+            "--inference.dtype", "float32", "--train.lora.rank", "4",
+            "--reward", "tests.rewards_for_tests:completion_length",  # rewards differ: updates
+            *extra]
 
 
 @pytest.mark.parametrize("backend", ["local", "sglang"])
 def test_the_recipe_trains_lora_and_syncs_only_the_adapter(tiny_model_dir, gsm8k_file, tmp_path,
                                                            backend):
-    # fp32 training without FSDP shares its tensors with the in-process engine
+    # fp32 training without FSDP shares its tensors with the in-process engine; the KL term
+    # makes the base model the reference role (the policy with its adapter off)
     extra = ["--inference.backend", "sglang", "--inference.server-program", "areal-flow",
-             "--inference.server-gpus", "0"] if backend == "sglang" else ["--train.no-bf16"]
+             "--inference.server-gpus", "0"] if backend == "sglang" else [
+        "--train.no-bf16", "--algorithm.kl-coef", "0.05"]
     run_recipe("gsm8k_grpo.py", lora_args(tiny_model_dir, gsm8k_file, tmp_path / "run", *extra),
                timeout=400)
     steps = [m for m in metrics(tmp_path / "run") if m["step"] > 0]
@@ -298,6 +319,9 @@ def test_the_recipe_trains_lora_and_syncs_only_the_adapter(tiny_model_dir, gsm8k
     if backend == "sglang":
         served = [m["pool/requests"] for m in steps if "pool/requests" in m]
         assert sum(served) > 0
+    else:  # the reference is the base model: the policy starts there and moves away from it
+        assert steps[0]["kl_ref"] == 0 and steps[-1]["kl_ref"] > 0
+    assert all(m["grad_norm"] > 0 for m in steps)
 
 
 def test_the_sglang_pool_swaps_adapters_and_catches_a_joining_server_up(trained, tiny_model_dir,

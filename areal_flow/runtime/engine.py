@@ -142,6 +142,14 @@ class TrainEngine:
         self._readers: Any = None
         """An in-process pool that generates from this model's own tensors (`sync_weights`)."""
 
+    def reference(self, model: str | Path) -> TrainEngine | BaseModelRole:
+        """The frozen reference of this policy: with LoRA its own base model (the adapter
+        layers switched off for the forward: no second copy of the weights), else a frozen copy
+        of `model` loaded beside it."""
+        if self.adapter is not None:
+            return BaseModelRole(self)
+        return TrainEngine(model, self.config, trainable=False)
+
     # -- forward passes -----------------------------------------------------------------
 
     def outputs(self, mb: TensorDict, entropy: EntropyMode = "metric") -> ModelOutput:
@@ -420,6 +428,27 @@ class TrainEngine:
             out = self.model(**inputs) if self.value else self.model(**inputs).logits
             if backward:
                 (out.float().sum() * 0.0).backward()
+
+
+class BaseModelRole:
+    """A LoRA policy's base model as a frozen role (`TrainEngine.reference`): `forward` runs the
+    policy's engine with every adapter layer off, and back on afterwards."""
+
+    def __init__(self, engine: TrainEngine):
+        self.engine = engine
+        self.value = False
+
+    def forward(self, batch: TensorDict) -> TensorDict:
+        # peft's own switch (enable_adapters) also flips the adapter's requires_grad, which
+        # FSDP2 reads when it reduces gradients; the flag alone is what its forward checks
+        layers = [m for m in self.engine.model.modules() if hasattr(m, "_disable_adapters")]
+        for layer in layers:
+            layer._disable_adapters = True
+        try:
+            return self.engine.forward(batch)
+        finally:
+            for layer in layers:
+                layer._disable_adapters = False
 
 
 def _return_freed_memory() -> None:
