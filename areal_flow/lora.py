@@ -73,10 +73,10 @@ def add_adapters(model: torch.nn.Module, config: Mapping[str, Any]) -> dict[str,
 
 
 def same_shape(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
-    """Whether two adapters fit the same injected layers (rank, scaling and targets)."""
+    """Whether two resolved adapter configs (`add_adapters`, a PEFT folder's) fit the same
+    injected layers: rank, scaling and targets."""
     def key(c):
-        return (c["r"], float(c["lora_alpha"]), sorted(c["target_modules"])
-                if not isinstance(c["target_modules"], str) else c["target_modules"])
+        return c["r"], float(c["lora_alpha"]), sorted(c["target_modules"])
     return key(a) == key(b)
 
 

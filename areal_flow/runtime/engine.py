@@ -436,7 +436,6 @@ class BaseModelRole:
 
     def __init__(self, engine: TrainEngine):
         self.engine = engine
-        self.value = False
 
     def forward(self, batch: TensorDict) -> TensorDict:
         # peft's own switch (enable_adapters) also flips the adapter's requires_grad, which
