@@ -3,6 +3,8 @@ mixed normalizer units, non-finite losses."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -166,3 +168,52 @@ def test_rows_packed_into_one_micro_batch_get_what_each_gets_alone(world, tiny_m
     torch.testing.assert_close(packed, alone, atol=1e-5, rtol=1e-5)
     for name, p in e.model.named_parameters():
         torch.testing.assert_close(p.grad, packed_grads[name], atol=1e-5, rtol=1e-5, msg=name)
+
+
+ROLE_MODELS = {
+    "ref": lambda actor, path, config: actor.reference(path),
+    "critic": lambda actor, path, config: TrainEngine(path, config, value=True),
+    "teacher": lambda actor, path, config: TrainEngine(path, config, trainable=False),
+}
+"""How each role beside the actor is built (its untrained weights: π_ref = π_teacher = π)."""
+
+
+def _registered_algorithms() -> list[str]:
+    from areal_flow.registry import algorithms
+
+    return algorithms.names()
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", _registered_algorithms())
+def test_every_algorithm_trains_a_step_whose_advantages_are_all_zero(world, tiny_model_dir,
+                                                                      name, bf16):
+    """The first step of a run whose rewards are all equal: every role is the untrained policy
+    and the critic's head is 0, so every advantage is 0 (rows an algorithm skips get no forward
+    or backward at all). The step must still be taken, in fp32 and under the bf16 default; the
+    batch carries every key a registered algorithm reads (DPO's pairs: adjacent rows)."""
+    from areal_flow.registry import algorithms
+
+    spec = algorithms.spec(name)
+    algorithm = spec.cls(spec.config() if spec.config else None)
+    config = TrainConfig(bf16=bf16)
+    torch.manual_seed(0)
+    actor = TrainEngine(tiny_model_dir, config)
+    roles = {role: ROLE_MODELS[role](actor, tiny_model_dir, config)
+             for role in algorithm.roles if role != "actor"}
+    if hasattr(algorithm, "critic_loss"):
+        roles.setdefault("critic", ROLE_MODELS["critic"](actor, tiny_model_dir, config))
+    batch = fixed_batch(actor.model.config.vocab_size)
+    rows = batch.batch_size[0]
+    batch["logprobs"] = actor.forward(batch)["logprobs"]  # on-policy: sampled by these weights
+    batch["chosen"] = torch.arange(rows) % 2 == 0
+    batch["truncated"] = torch.zeros(rows, dtype=torch.bool)
+    batch["policy_version"] = torch.zeros(rows, dtype=torch.long)
+    seen = []
+    compute = algorithm.advantages
+    algorithm.advantages = lambda b: seen.append(compute(b)) or seen[-1]
+    stats = actor.train(batch, algorithm, **roles)
+    if "advantages" in seen[0].keys():  # the case this test is about (SFT and DPO have none)
+        assert seen[0]["advantages"].abs().max().item() == 0.0
+    assert (actor.steps, stats["skipped_step"]) == (1, 0.0)
+    assert all(map(math.isfinite, (stats["loss"], stats["grad_norm"])))
