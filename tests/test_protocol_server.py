@@ -96,7 +96,7 @@ def hook(server):
     """Install an `on_step` hook for one test; afterwards the server is running again."""
     yield lambda fn: setattr(server.engine, "on_step", fn)
     server.engine.on_step = None
-    server.client.post("/continue_generation")
+    server.client.post("/continue_generation", json={})
 
 
 @pytest.fixture(scope="module")
@@ -203,6 +203,11 @@ def test_sampling_seed_makes_sampled_generations_repeatable(server):
     c = ok(post_generate(server, server.prompt, sampling_seed=6, **kwargs))
     assert a["output_ids"] == b["output_ids"] != c["output_ids"]
     assert len(a["meta_info"]["output_token_logprobs"]) == 16
+    # SGLang's seeds are int64: a negative one is the engine's unsigned seed of the same bits
+    folded = ok(post_generate(server, server.prompt, sampling_seed=-1, **kwargs))
+    request = GenerationRequest(input_ids=server.prompt, sampling=SamplingParams(
+        seed=2**64 - 1, **kwargs))
+    assert folded["output_ids"] == list(server.engine.submit(request).future.result(60).token_ids)
 
 
 @pytest.mark.faults
@@ -267,12 +272,18 @@ def test_retract_update_from_disk_continue_mixes_versions(server, hook, perturbe
         second = pool.submit(post_generate, server, server.prompt, max_new_tokens=40,
                              temperature=0, ignore_eos=True)
         wait_for(lambda: server.state.held == 1, what="the new request to wait")
-        update = ok(server.client.post("/update_weights_from_disk",
-                                       json={"model_path": str(perturbed_dir),
-                                             "weight_version": "7"}))
-        assert update["success"] is True and update["num_paused_requests"] == 1
+        # SGLang cannot flush the cache while a request waits: the update is applied, but
+        # answered 400, and so is /flush_cache
+        flush = server.client.post("/flush_cache")
+        assert flush.status_code == 400 and "not flushed" in flush.text
+        update = server.client.post("/update_weights_from_disk",
+                                    json={"model_path": str(perturbed_dir),
+                                          "weight_version": "7"})
+        assert update.status_code == 400 and "Cache flush failed" in update.json()["message"]
+        assert update.json()["num_paused_requests"] == 1
+        assert ok(server.client.get("/model_info"))["model_path"] == str(tiny_model_dir)
         assert ok(server.client.get("/model_info"))["weight_version"] == "7"
-        ok(server.client.post("/continue_generation"))
+        ok(server.client.post("/continue_generation", json={}))
         held, fresh = ok(first.result(60)), ok(second.result(60))
 
     after = list(engine_greedy(server, server.prompt, 40).token_ids)
@@ -295,6 +306,7 @@ def test_retract_update_from_disk_continue_mixes_versions(server, hook, perturbe
     restore = ok(server.client.post("/update_weights_from_disk",
                                     json={"model_path": str(tiny_model_dir)}))
     assert restore["success"] and "8" in restore["message"]
+    assert ok(server.client.get("/model_info"))["model_path"] == str(tiny_model_dir)
     assert ok(server.client.get("/get_model_info"))["weight_version"] == "8"
     assert list(engine_greedy(server, server.prompt, 40).token_ids) == before
 
@@ -360,7 +372,7 @@ def test_update_weight_version_aborts_and_relabels(server, hook):
         assert r == {"success": True, "message": "Weight version updated to 12",
                      "new_version": "12"}
         assert ok(running.result(60))["meta_info"]["finish_reason"] == ABORTED
-    ok(server.client.post("/continue_generation"))
+    ok(server.client.post("/continue_generation", json={}))
     assert ok(server.client.get("/model_info"))["weight_version"] == "12"
     meta = ok(post_generate(server, server.prompt, max_new_tokens=3))["meta_info"]
     assert meta["weight_version"] == "12"
@@ -380,7 +392,7 @@ def test_health_generates_a_token_and_is_held_while_paused(server):
             held = pool.submit(server.client.get, "/health")
             wait_for(lambda: server.state.held == 1, what="the health check to be held")
             assert not held.done()
-            ok(server.client.post("/continue_generation"))
+            ok(server.client.post("/continue_generation", json={}))
             assert held.result(60).status_code == 200
         ok(server.client.post("/pause_generation", json={"mode": "retract"}))
         server.state.health_timeout = 0.05
@@ -388,7 +400,7 @@ def test_health_generates_a_token_and_is_held_while_paused(server):
         assert server.state.held == 0
     finally:
         server.state.health_timeout = 20.0
-        ok(server.client.post("/continue_generation"))
+        ok(server.client.post("/continue_generation", json={}))
 
 
 def test_health_model_info_and_flush_cache(server, tiny_model_dir):
@@ -416,8 +428,13 @@ BAD_BODIES = [
     ("/generate", {"input_ids": [1, -1]}, "input_ids"),
     ("/generate", {"input_ids": [1], "sampling_params": {"stop_token_ids": [10**9]}},
      "stop_token_ids"),
-    ("/generate", {"input_ids": [1], "sampling_params": {"sampling_seed": 2**64}},
+    ("/generate", {"input_ids": [1], "sampling_params": {"sampling_seed": 2**63}},
      "sampling_seed"),
+    ("/generate", {"input_ids": [1], "sampling_params": {"sampling_seed": -2**63 - 1}},
+     "sampling_seed"),
+    ("/generate", b"", "Field required"),  # no body at all: SGLang's 400 on every POST route
+    ("/continue_generation", b"", "Field required"),
+    ("/end_weight_update", b"  ", "Field required"),
     ("/generate", {"input_ids": [1], "sampling_params": "x"}, "sampling_params"),
     ("/generate", b'{"input_ids": [1], "rid": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
      "nested"),

@@ -27,7 +27,13 @@ defaults, status codes and response shapes follow SGLang's ``entrypoints/http_se
   ``weight_version`` is the last span's.
 - ``in_place`` pauses like ``retract``: held requests are re-prefilled under the weights loaded
   at ``/continue_generation`` (the engine keeps no KV cache across a pause). There is no prefix
-  cache, so ``/flush_cache`` always succeeds and ``cached_tokens`` is 0.
+  cache (``cached_tokens`` is 0), but a flush is refused as SGLang refuses it: ``/flush_cache``,
+  and the flush after a weight update (``flush_cache``, the default), fail with 400 while a
+  request runs or waits, including one just aborted by ``abort_all_requests`` (SGLang aborts
+  asynchronously) or held by a retract pause; the update itself is then already applied.
+- An empty body is a 400 on every POST route, and ``sampling_seed`` must lie in
+  ``[-2**63, 2**63)``, as in SGLang. A weight-update session belongs to the server: anyone may
+  end it (a trainer killed between begin and end leaves it open until someone does).
 - The weight-update group is joined as SGLang's ``init_custom_process_group`` joins it: a
   process group of its own (never the default one), rendezvous at ``master_address:master_port``
   with the trainer as rank 0, store keys under the group name. The trainer side
@@ -144,8 +150,9 @@ class _Sampling:
     ignore_eos: bool = False
     sampling_seed: int | None = attrs.field(default=None,
                                             validator=attrs.validators.optional(
-                                                [attrs.validators.ge(0),
-                                                 attrs.validators.lt(2**64)]))
+                                                [attrs.validators.ge(-2**63),
+                                                 attrs.validators.lt(2**63)]))
+    """SGLang's range, [-2**63, 2**63) (an int64)."""
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     spaces_between_special_tokens: bool = True  # text layout only
@@ -174,7 +181,8 @@ class _Sampling:
             min_p=self.min_p,
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
-            seed=self.sampling_seed,
+            # the engine's seeds are [0, 2**64): the same 64 bits, as a client folds them
+            seed=None if self.sampling_seed is None else self.sampling_seed % 2**64,
         )
 
 
@@ -319,8 +327,10 @@ def _without_nulls(data: dict) -> dict:
 
 async def _parse(request: Request, cls: type) -> Any:
     raw = await request.body()
+    if not raw.strip():  # SGLang's FastAPI routes require a body, even where every field has a default
+        raise BadRequest("body: Field required (send a JSON object, {} for the defaults)")
     try:
-        data = json.loads(raw) if raw.strip() else {}
+        data = json.loads(raw)
         if not isinstance(data, dict):
             raise BadRequest("the request body must be a JSON object")
         data = _without_nulls(data)
@@ -381,6 +391,8 @@ class _Server:
                  enable_lora: bool = False):
         self.engine = engine
         self.enable_lora = enable_lora
+        self.model_path = engine.model_path
+        """The folder of the last update from disk (SGLang's ``model_path``), else the model's."""
         self.loras: dict[str, str] = {}
         """Loaded LoRA adapters, name -> path (one at most here)."""
         self.health_delay = health_delay
@@ -514,9 +526,9 @@ class _Server:
     async def model_info(self, request: Request) -> Response:
         config = self.engine.model.config
         return JSONResponse({
-            "model_path": self.engine.model_path,
+            "model_path": self.model_path,
             "tokenizer_path": self.engine.model_path,
-            "served_model_name": self.engine.model_path,
+            "served_model_name": self.model_path,
             "is_generation": True,
             "preferred_sampling_params": None,
             "weight_version": label(self.engine.version),
@@ -572,6 +584,9 @@ class _Server:
                 self.engine.abort(target)
 
     async def flush_cache(self, request: Request) -> Response:
+        if self.inflight:  # SGLang flushes only with no request running or waiting
+            return PlainTextResponse(f"Cache not flushed: {len(self.inflight)} request(s) "
+                                     "running or waiting.\n", status_code=400)
         return PlainTextResponse(
             "Cache flushed.\nPlease check backend logs for more details. (When there are running "
             "or waiting requests, the operation will not be performed.)\n"
@@ -579,24 +594,35 @@ class _Server:
 
     # -- weights
 
-    async def _load(self, update: WeightUpdate, abort_all: bool) -> int:
-        """Load under the control lock; returns how many requests wait through the update."""
+    async def _load(self, update: WeightUpdate, abort_all: bool, flush_cache: bool) -> str | None:
+        """Load under the control lock; returns SGLang's error when the cache flush after it is
+        refused. SGLang flushes only with no request running or waiting, and aborting is
+        asynchronous (``abort_all_requests`` marks requests; they leave at the next step), so a
+        request running when the update came, aborted or held by a retract/in-place pause, makes
+        the flush fail: a 400 although the weights and version are already loaded."""
+        running = len(self.inflight)
         if abort_all:
             self._abort()
-        paused = 0 if abort_all else len(self.inflight)
         await anyio.to_thread.run_sync(self.engine.update_weights, update)
-        return paused
+        if flush_cache and running:
+            return (f"Cache flush failed after updating weights: {running} request(s) running "
+                    f"or waiting (the weights of version {label(update.version)} are loaded)")
+        return None
 
     async def update_weights_from_disk(self, request: Request) -> Response:
         body: _DiskUpdate = await _parse(request, _DiskUpdate)
         async with self.control:
             version = body.weight_version
             version = self.engine.version + 1 if version is None else version
+            paused = 0 if body.abort_all_requests else len(self.inflight)
             try:
-                paused = await self._load(WeightUpdate(version=version, path=body.model_path),
-                                          body.abort_all_requests)
+                refused = await self._load(WeightUpdate(version=version, path=body.model_path),
+                                           body.abort_all_requests, body.flush_cache)
             except Exception as exc:
                 return _result(False, f"Failed to update weights: {exc}", num_paused_requests=0)
+            if refused:
+                return _result(False, refused, num_paused_requests=paused)
+            self.model_path = body.model_path  # /model_info reports it, as SGLang's does
         return _result(True, f"Succeeded to update model weights. Weight version updated to "
                              f"{version}.", num_paused_requests=paused)
 
@@ -697,10 +723,12 @@ class _Server:
         async with self.control:
             version = self.engine.version if body.weight_version is None else body.weight_version
             try:
-                await self._load(WeightUpdate(version=version, state_dict=tensors),
-                                 body.abort_all_requests)
+                refused = await self._load(WeightUpdate(version=version, state_dict=tensors),
+                                           body.abort_all_requests, body.flush_cache)
             except Exception as exc:
                 return _result(False, f"Failed to update parameter online: {exc}")
+            if refused:
+                return _result(False, refused)
         return _result(True, "Succeeded to update parameter online. Weight version is "
                              f"{label(version)}.")
 
