@@ -50,7 +50,8 @@ def check_reward(
     examples: str | None = None,
 ) -> int:
     """Run the reward contract on a registered reward: never raises on arbitrary text, returns
-    a finite number within its declared range, deterministic, returns within its timeout.
+    a finite number within its declared range, deterministic, returns within its timeout; its
+    `metrics`, if declared, on the same examples: never raise, {name: finite number}.
 
     Args:
         name: Registered reward name (or a 'package.module:function' path).

@@ -99,3 +99,14 @@ def text_hash(completion: str, **fields) -> float:
     """A deterministic score no policy learns to saturate: every group keeps a spread, so every
     step moves the weights (long soak runs)."""
     return int(hashlib.sha256(completion.encode()).hexdigest(), 16) % 1000 / 1000
+
+
+def per_character(completion: str, **fields) -> dict[str, float]:
+    """Metrics that fail on an empty completion (ZeroDivisionError), as a careless one would."""
+    return {"per_character": 1 / len(completion)}
+
+
+@reward("tests.metrics_divide", timeout=5.0, metrics=per_character)
+def metrics_divide(completion: str, **fields) -> float:
+    """A reward that never fails, with metrics that do on an empty completion."""
+    return 1.0

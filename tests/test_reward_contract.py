@@ -220,3 +220,61 @@ hangs_registered = reward("tests.contract_hangs", timeout=0.5)(hangs)
 def test_check_reward_command_fails_a_hanging_reward_within_its_timeout():
     result = run_cli("check-reward", "tests.test_reward_contract:hangs_registered", check=False)
     assert result.returncode == 1 and "returns within its timeout" in result.stdout
+
+
+def found_tags(completion: str, *, answer: str) -> dict[str, float]:
+    return {"tagged": float("<answer>" in completion), "says_answer": answer in completion}
+
+
+def per_character(completion: str, *, answer: str) -> dict[str, float]:
+    return {"per_character": 1 / len(completion)}  # ZeroDivisionError on ""
+
+
+def grade_as_text(completion: str, *, answer: str) -> dict[str, str]:
+    return {"grade": "right" if answer in completion else "wrong"}
+
+
+def slash_names(completion: str, *, answer: str) -> dict[str, float]:
+    return {"eval/tagged": 0.0}
+
+
+def a_list(completion: str, *, answer: str) -> list:
+    return [("tagged", 0.0)]
+
+
+def counts_calls(completion: str, *, answer: str) -> dict[str, float]:
+    return {"call": float(next(_counter) % 2)}
+
+
+def test_a_rewards_metrics_are_checked_on_the_same_examples():
+    seen = []
+
+    def recorded(completion: str, *, answer: str) -> dict[str, float]:
+        seen.append((completion, answer))
+        return found_tags(completion, answer=answer)
+
+    report = check_reward(spec(good, metrics=recorded), max_examples=30,
+                          examples=answered(("answer_tag",)))
+    assert report.ok and report.metrics_checked, report.summary()
+    assert "examples run: 30 (the reward and its metrics)" in report.summary()
+    assert len(seen) == 60 and any("<answer>" in c for c, _ in seen)  # twice per example
+
+
+@pytest.mark.parametrize(("metrics", "expected"), [
+    (per_character, "property 'never raises': metrics of good('', **{'answer': ''}) raised "
+                    "ZeroDivisionError"),
+    (grade_as_text, "property 'metrics are named numbers'"),
+    (slash_names, "name 'eval/tagged'; a reward's metrics must return {name: finite number}"),
+    (a_list, "returned list"),
+    (counts_calls, "property 'deterministic': metrics of good("),
+])
+def test_each_kind_of_broken_metrics_is_caught(metrics, expected):
+    report = check_reward(spec(good, metrics=metrics), max_examples=50)
+    assert not report.ok
+    assert expected in report.failure, report.failure
+
+
+def test_check_reward_command_checks_the_metrics():
+    bad = run_cli("check-reward", "tests.rewards_for_tests:metrics_divide", check=False)
+    assert bad.returncode == 1
+    assert "metrics of tests.metrics_divide('', **{}) raised ZeroDivisionError" in bad.stdout

@@ -257,3 +257,68 @@ def test_the_worker_popen_is_this_pythons_launch_less_the_main_script():
         return ast.dump(node)
 
     assert tree(_WorkerPopen._launch, True) == tree(popen_forkserver.Popen._launch, False)
+
+
+def test_a_failing_metrics_is_a_failure_of_the_reward_that_scored(runner):
+    """The reward's score stands; its metrics are left out; the call is counted as failed
+    (`metrics_errors`, the failure rate); the next call records them again. What `ctx.reward`
+    does with the runner a recipe gives it."""
+    from areal_flow.types import SamplingParams
+    from areal_flow.workflow.context import RolloutContext
+
+    ctx = RolloutContext(pool=None, tokenizer=None, score=runner.score,
+                         sampling=SamplingParams(), episode_id="0/0/0")
+    runner.stats()
+    assert asyncio.run(ctx.reward("tests.metrics_divide", "")) == 1.0  # 1 / len("")
+    assert ctx.metrics == {}
+    stats = runner.stats()
+    assert (stats["calls"], stats["metrics_errors"], stats["failure_rate"]) == (1, 1, 1.0)
+    assert all(stats[k] == 0 for k in ("timeouts", "crashes", "errors", "invalid"))
+    assert asyncio.run(ctx.reward("tests.metrics_divide", "four")) == 1.0
+    assert ctx.metrics == {"per_character": 0.25}
+    assert runner.stats()["failure_rate"] == 0.0
+
+
+@pytest.mark.parametrize("found", [
+    {"per_character": "high"}, {"a/b": 1.0}, {"x": float("inf")}, [("x", 1.0)], None])
+def test_metrics_that_are_not_plain_names_of_numbers_are_a_failure_naming_what_is_allowed(
+        runner, found, caplog):
+    from areal_flow.types import RewardSpec
+
+    spec = RewardSpec(name="tests.length", fn=rewards_for_tests.length, range=(0.0, 100.0),
+                      metrics=lambda completion: found)
+    runner.stats()
+    with caplog.at_level(logging.WARNING, logger="areal_flow.reward.runner"):
+        assert asyncio.run(runner.score_with_metrics(spec, "abc")) == (3.0, {})
+    assert runner.stats()["metrics_errors"] == 1
+    assert "{name: finite number}" in caplog.text and "no '/'" in caplog.text
+
+
+@pytest.mark.faults
+def test_metrics_failing_on_most_calls_stop_the_run_as_a_failing_reward_does():
+    judged = FAILURE_WINDOW // 2
+    with RewardRunner(max_workers=1) as r:
+        async def calls(n):
+            return [await r.score_with_metrics("tests.metrics_divide", "") for _ in range(n)]
+
+        assert asyncio.run(calls(judged - 1)) == [(1.0, {})] * (judged - 1)
+        with pytest.raises(RewardFailureError,
+                           match=rf"'tests.metrics_divide' failed on {judged} of its last "
+                                 rf"{judged} calls.*metrics error: ZeroDivisionError"):
+            asyncio.run(calls(1))
+
+
+def test_without_a_runner_a_failing_metrics_is_logged_and_records_nothing(caplog):
+    """An in-process stand-in for the runner's score (as tests give `RolloutContext`)."""
+    from areal_flow.registry import rewards
+    from areal_flow.types import SamplingParams
+    from areal_flow.workflow.context import RolloutContext
+
+    async def in_process(reward, *args, **kwargs):
+        return rewards.get(reward)(*args, **kwargs)
+
+    ctx = RolloutContext(pool=None, tokenizer=None, score=in_process,
+                         sampling=SamplingParams(), episode_id="0/0/0")
+    with caplog.at_level(logging.WARNING, logger="areal_flow.reward.runner"):
+        assert asyncio.run(ctx.reward("tests.metrics_divide", "")) == 1.0
+    assert ctx.metrics == {} and "ZeroDivisionError" in caplog.text

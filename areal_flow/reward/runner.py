@@ -5,9 +5,12 @@ Every reward, sync or async, runs in a worker process (pebble, started by ``fork
 ``asyncio.run``, so blocking code in it cannot freeze the caller's event loop. A call past its
 reward's `timeout` has its worker killed and replaced; a worker that dies (segfault,
 ``os._exit``, SIGKILL) is replaced too; an exception or an out-of-range or non-finite score is an
-error. Each of these scores the reward's `default` and is counted in `stats()`. A reward that
-fails on more than `max_failure_rate` of its recent calls raises `RewardFailureError` instead: a
-run whose rewards are mostly defaults is not training on rewards.
+error. Each of these scores the reward's `default` and is counted in `stats()`. A reward's
+`metrics` run in the caller's process after the score (`score_with_metrics`); one that raises or
+returns anything but {plain name: finite number} fails that call too: the score stands, the
+metrics are left out, the failure is counted. A reward that fails on more than
+`max_failure_rate` of its recent calls raises `RewardFailureError` instead: a run whose rewards
+are mostly defaults (or have no metrics) is not training on rewards.
 
 Workers resolve rewards by registry name ("package.module:function"), so they need nothing of
 the caller's but the reward's own module: they never import the caller's main script (see
@@ -27,7 +30,7 @@ import signal
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures.process import BrokenProcessPool
 from multiprocessing import forkserver, popen_forkserver, spawn, util
 from multiprocessing.context import (
@@ -156,7 +159,18 @@ class RewardRunner:
 
     async def score(self, reward: str | Callable[..., Any] | RewardSpec, *args, **kwargs) -> float:
         """The reward's score, or its `default` if it raised, crashed, hung or went out of range."""
-        spec = resolve(reward)
+        return (await self._score(resolve(reward), args, kwargs, with_metrics=False))[0]
+
+    async def score_with_metrics(self, reward: str | Callable[..., Any] | RewardSpec, *args,
+                                 **kwargs) -> tuple[float, dict[str, float]]:
+        """`score`, and what the reward's `metrics` say for the same arguments ({} when it
+        declares none). A `metrics` that raises or returns anything but {plain name: finite
+        number} makes this a failed call, counted as `metrics_errors` and in the failure rate
+        like the reward's own failures; its metrics are then {} and a valid score stands."""
+        return await self._score(resolve(reward), args, kwargs, with_metrics=True)
+
+    async def _score(self, spec: RewardSpec, args: tuple, kwargs: dict, *,
+                     with_metrics: bool) -> tuple[float, dict[str, float]]:
         try:  # a signature mismatch is the caller's bug, not a bad completion: never a default
             inspect.signature(spec.fn).bind(*args, **kwargs)
         except TypeError as exc:
@@ -183,6 +197,13 @@ class RewardRunner:
             outcome, what = "crash", f"crashed ({_exit_status(exc.exitcode)})"
         except Exception as exc:
             outcome, what = "error", f"error: {exc!r}"
+        score = float(value) if outcome == "ok" else spec.default
+        found: dict[str, float] = {}
+        if with_metrics and spec.metrics is not None:
+            # one outcome per call: counted once in the failure window, whichever part failed
+            found, problem = task_metrics(spec, args, kwargs)
+            if problem is not None and outcome == "ok":
+                outcome, what = "metrics_error", problem
         with self._lock:  # stats() is read from the trainer thread
             self._seconds += time.perf_counter() - start
             self._counts["calls"] += 1
@@ -191,14 +212,15 @@ class RewardRunner:
             recent.append(outcome != "ok")
             failed, judged = sum(recent), len(recent)
         if outcome == "ok":
-            return float(value)
+            return score, found
         if judged >= FAILURE_WINDOW // 2 and failed > self.max_failure_rate * judged:
             raise RewardFailureError(
                 f"reward {spec.name!r} failed on {failed} of its last {judged} calls, more "
                 f"than the limit of {self.max_failure_rate:.0%} (--reward-failure-limit); last "
                 f"failure: {what}. Fix the reward, or raise the limit (1 never stops)")
-        log.warning("reward %r: %s; scored its default %s", spec.name, what, spec.default)
-        return spec.default
+        log.warning("reward %r: %s; %s", spec.name, what, "no metrics recorded"
+                    if outcome == "metrics_error" else f"scored its default {spec.default}")
+        return score, found
 
     def stats(self) -> dict[str, float]:
         """Calls and failures since the last call."""
@@ -212,6 +234,7 @@ class RewardRunner:
             "crashes": counts["crash"],
             "errors": counts["error"],
             "invalid": counts["invalid"],
+            "metrics_errors": counts["metrics_error"],
             "pool_restarts": counts["pool_restarts"],
             "failure_rate": (calls - counts["ok"]) / calls if calls else 0.0,
             "mean_seconds": seconds / calls if calls else 0.0,
@@ -242,6 +265,51 @@ class RewardRunner:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+async def score_with_metrics(score: Callable[..., Any], reward: Any, *args,
+                             **kwargs) -> tuple[float, dict[str, float]]:
+    """What `RolloutContext.reward` records: the score from `score` (a `RewardRunner.score`, or
+    an in-process stand-in with its signature, as tests give) and the reward's checked metrics.
+    Through a runner both are one of its calls, so a failing `metrics` counts toward the
+    reward's failure rate; with a stand-in it is only logged and leaves the metrics out."""
+    runner = getattr(score, "__self__", None)
+    if isinstance(runner, RewardRunner):
+        return await runner.score_with_metrics(reward, *args, **kwargs)
+    value = await score(reward, *args, **kwargs)
+    spec = resolve(reward)
+    if spec.metrics is None:
+        return value, {}
+    found, problem = task_metrics(spec, args, kwargs)
+    if problem is not None:
+        log.warning("reward %r: %s; no metrics recorded", spec.name, problem)
+    return value, found
+
+
+def task_metrics(spec: RewardSpec, args: tuple, kwargs: dict) -> tuple[dict[str, float], str | None]:
+    """`spec.metrics(*args, **kwargs)` as {name: float} and None, or {} and what was wrong with
+    it (it raised, or returned anything but {plain name: finite number})."""
+    try:
+        found = spec.metrics(*args, **kwargs)
+    except Exception as exc:
+        return {}, f"metrics error: {exc!r}"
+    problem = metrics_problem(found)
+    return ({}, problem) if problem else ({k: float(v) for k, v in found.items()}, None)
+
+
+def metrics_problem(found: Any) -> str | None:
+    """Why `found` is not what a reward's `metrics` must return, or None when it is: a mapping
+    of plain names (no '/': an eval adds 'eval/') to finite real numbers (bools count as 0/1)."""
+    allowed = ("a reward's metrics must return {name: finite number}, each name a plain word "
+               "(no '/': an eval adds 'eval/')")
+    if not isinstance(found, Mapping):
+        return f"metrics invalid: returned {type(found).__name__} {found!r}; {allowed}"
+    for name, value in found.items():
+        if not isinstance(name, str) or not name or "/" in name:
+            return f"metrics invalid: name {name!r}; {allowed}"
+        if not isinstance(value, numbers.Real) or not math.isfinite(value):
+            return f"metrics invalid: {name!r} is {type(value).__name__} {value!r}; {allowed}"
+    return None
 
 
 def _in_range(value: Any, spec: RewardSpec) -> bool:

@@ -1,7 +1,10 @@
 """The reward contract every reward must pass, runnable by third parties.
 
 A reward never raises on arbitrary text, returns a finite real number within its declared
-`range`, is deterministic, and returns within its `timeout`. Examples are hostile text with the
+`range`, is deterministic, and returns within its `timeout`. Its `metrics`, if it declares them,
+are checked on the same examples: never raise, return {plain name: finite number} (what the
+reward runner accepts: anything else is counted as a failure of the reward), deterministic,
+within the reward's timeout. Examples are hostile text with the
 keyword arguments the reward requires drawn from their type annotations (text when there is
 none), or a strategy of ``(completion, kwargs)`` pairs the caller gives — e.g.
 `strategies.answered`, whose completions state an answer in the syntaxes rewards parse, so the
@@ -25,6 +28,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from areal_flow.registry import rewards
+from areal_flow.reward.runner import metrics_problem
 from areal_flow.testing.strategies import completion_text
 from areal_flow.types import RewardSpec
 
@@ -45,6 +49,8 @@ class ContractReport:
     slowest_s: float
     timeout_s: float
     failure: str | None
+    metrics_checked: bool = False
+    """Whether the reward declares `metrics`, checked on the same examples."""
 
     @property
     def ok(self) -> bool:
@@ -54,7 +60,8 @@ class ContractReport:
         verdict = "passed" if self.ok else f"FAILED\n{self.failure}"
         return (
             f"reward {self.name!r}: {verdict}\n"
-            f"  examples run: {self.examples}; slowest call {self.slowest_s * 1e3:.2f} ms "
+            f"  examples run: {self.examples}"
+            f"{' (the reward and its metrics)' if self.metrics_checked else ''}; slowest call {self.slowest_s * 1e3:.2f} ms "
             f"(timeout {self.timeout_s:g} s)"
         )
 
@@ -74,23 +81,23 @@ def _kwargs_strategy(fn: Any) -> st.SearchStrategy[dict[str, Any]]:
     return st.fixed_dictionaries(required)
 
 
-def _call(spec: RewardSpec, completion: str, kwargs: dict[str, Any]) -> Any:
-    """The reward's value, or raises what it raised, or `_TimedOut` past its timeout (the call
-    is left running in a daemon thread, which dies with the process)."""
+def _call(fn: Any, timeout: float, completion: str, kwargs: dict[str, Any]) -> Any:
+    """`fn`'s value, or raises what it raised, or `_TimedOut` past `timeout` (the call is left
+    running in a daemon thread, which dies with the process)."""
     box: dict[str, Any] = {}
 
     def run() -> None:
         try:
-            if inspect.iscoroutinefunction(spec.fn):
-                box["value"] = anyio.run(lambda: spec.fn(completion, **kwargs))
+            if inspect.iscoroutinefunction(fn):
+                box["value"] = anyio.run(lambda: fn(completion, **kwargs))
             else:
-                box["value"] = spec.fn(completion, **kwargs)
+                box["value"] = fn(completion, **kwargs)
         except BaseException as exc:  # handed to the caller
             box["error"] = exc
 
     thread = threading.Thread(target=run, daemon=True, name="reward-contract-call")
     thread.start()
-    thread.join(spec.timeout)
+    thread.join(timeout)
     if thread.is_alive():
         raise _TimedOut
     if "error" in box:
@@ -108,11 +115,10 @@ def check_reward(reward: str | RewardSpec, *, max_examples: int = 200,
     lo, hi = spec.range
     seen: dict[str, Any] = {"examples": 0, "slowest": 0.0, "timed_out": None}
 
-    def one_call(completion: str, kwargs: dict[str, Any]) -> Any:
-        shown = f"{spec.name}({completion!r}, **{kwargs!r})"
+    def timed_call(fn: Any, shown: str, completion: str, kwargs: dict[str, Any]) -> Any:
         start = time.perf_counter()
         try:
-            score = _call(spec, completion, kwargs)
+            value = _call(fn, spec.timeout, completion, kwargs)
         except _TimedOut:
             seen["timed_out"] = (f"property 'returns within its timeout': {shown} did not "
                                  f"return within {spec.timeout:g} s")
@@ -121,6 +127,11 @@ def check_reward(reward: str | RewardSpec, *, max_examples: int = 200,
             raise ContractViolation(f"property 'never raises': {shown} raised "
                                     f"{type(exc).__name__}: {exc}") from exc
         seen["slowest"] = max(seen["slowest"], time.perf_counter() - start)
+        return value
+
+    def one_call(completion: str, kwargs: dict[str, Any]) -> Any:
+        shown = f"{spec.name}({completion!r}, **{kwargs!r})"
+        score = timed_call(spec.fn, shown, completion, kwargs)
         if isinstance(score, bool) or not isinstance(score, numbers.Real):
             raise ContractViolation(f"property 'returns a real number': {shown} returned "
                                     f"{score!r}")
@@ -131,6 +142,15 @@ def check_reward(reward: str | RewardSpec, *, max_examples: int = 200,
             raise ContractViolation(f"property 'stays within its range {spec.range}': {shown} "
                                     f"returned {score!r}")
         return score
+
+    def metrics_call(completion: str, kwargs: dict[str, Any]) -> Any:
+        # the runner calls `metrics` with the reward's own arguments, after every score
+        shown = f"metrics of {spec.name}({completion!r}, **{kwargs!r})"
+        found = timed_call(spec.metrics, shown, completion, kwargs)
+        problem = metrics_problem(found)
+        if problem is not None:
+            raise ContractViolation(f"property 'metrics are named numbers': {shown}: {problem}")
+        return found
 
     default = st.tuples(completion_text(), _kwargs_strategy(spec.fn))
 
@@ -150,6 +170,12 @@ def check_reward(reward: str | RewardSpec, *, max_examples: int = 200,
                 f"property 'deterministic': {spec.name}({completion!r}, **{kwargs!r}) returned "
                 f"{first!r} then {second!r}"
             )
+        if spec.metrics is not None:
+            first, second = metrics_call(completion, kwargs), metrics_call(completion, kwargs)
+            if first != second:
+                raise ContractViolation(
+                    f"property 'deterministic': metrics of {spec.name}({completion!r}, "
+                    f"**{kwargs!r}) returned {first!r} then {second!r}")
 
     failure = None
     try:
@@ -158,7 +184,8 @@ def check_reward(reward: str | RewardSpec, *, max_examples: int = 200,
         failure = str(exc)
     except _TimedOut:
         failure = seen["timed_out"]
-    return ContractReport(spec.name, seen["examples"], seen["slowest"], spec.timeout, failure)
+    return ContractReport(spec.name, seen["examples"], seen["slowest"], spec.timeout, failure,
+                          metrics_checked=spec.metrics is not None)
 
 
 def assert_reward_contract(reward: str | RewardSpec, *, max_examples: int = 200,
