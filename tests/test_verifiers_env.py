@@ -70,7 +70,8 @@ def test_one_rollout_holds_the_pools_tokens_and_the_rubrics_reward(tokenizer, ro
     assert episode.metrics == pytest.approx({"chars": 5 / 6, "length": 5 / 6, "exact": 0.0,
                                              "reply_chars": 6.0})
     assert episode.info["verifiers"]["environment"] == "tiny-reverse"
-    assert episode.info["openai"] == {"calls": 1, "trained_calls": 1, "rewrote_history": False}
+    assert episode.info["openai"] == {"calls": 1, "trained_calls": 1, "rewrote_history": False,
+                                      "rerendered": 0}
 
 
 def test_the_exact_bonus_its_weight_and_sampling_overrides_reach_the_pool(tokenizer):

@@ -500,8 +500,13 @@ class RolloutScheduler:
             )
             try:
                 episode = await self.workflow.fn(ctx, sample)
+            except Exception:
+                if ctx.over_budget is None:
+                    raise
             finally:
                 ctx.close()
+            if ctx.over_budget is not None:  # an agent's prompt over budget: skipped as in rlvr
+                raise ctx.over_budget
             if episode is not None and not isinstance(episode, Episode):
                 raise TypeError(f"workflow {self.workflow.name!r} returned "
                                 f"{type(episode).__name__}; expected an Episode or None")

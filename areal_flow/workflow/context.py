@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import logging
+
 import attrs
 
 from areal_flow.types import (Completion, Episode, GenerationPool, GenerationRequest,
@@ -12,8 +14,16 @@ from areal_flow.types import (Completion, Episode, GenerationPool, GenerationReq
 from areal_flow.workflow.openai_endpoint import OpenAIAccess, OpenAIEndpoint, Recorder
 
 
+log = logging.getLogger(__name__)
+
+
 class PromptTooLong(ValueError):
     """The chat prompt exceeds `max_prompt_tokens`; the scheduler skips the sample."""
+
+
+# A private-use character pair no chat template or model text produces: it marks where the
+# assistant's content sits in a rendered chat.
+_TURN = "\ue000turn\ue000"
 
 
 class RolloutContext:
@@ -51,6 +61,9 @@ class RolloutContext:
         self.metrics: dict[str, float] = {}
         """What the rewards' `metrics` functions said about this episode (the latest call's value
         per name); the scheduler adds them to the episode's `metrics`."""
+        self.over_budget: PromptTooLong | None = None
+        """A prompt the OpenAI endpoint refused as over `max_prompt_tokens`: the scheduler skips
+        the sample (as `rlvr`'s too-long prompt) whatever the agent did with the refusal."""
         self._endpoint = endpoint  # the scheduler's, shared by its episodes (made when needed)
         self._recorder: Recorder | None = None
         self._key: str | None = None
@@ -60,6 +73,8 @@ class RolloutContext:
         them), ending with the assistant's turn opener."""
         ids = _ids(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                       **_tools(tools)))
+        if tools is not None:
+            _warn_if_tools_unrendered(self.tokenizer, messages, ids)
         if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
             raise PromptTooLong(
                 f"prompt of {len(ids)} tokens exceeds max_prompt_tokens={self.max_prompt_tokens}"
@@ -67,27 +82,57 @@ class RolloutContext:
         return ids
 
     def chat_delta(self, history: list[dict[str, Any]], new: list[dict[str, Any]], *,
-                   tools: Any = None) -> list[int]:
-        """Tokens the chat template adds when the messages `new` follow `history`, whose last
-        message is the assistant turn the model just produced (ending in its EOS token), up to
-        and including the next assistant opener.
+                   tools: Any = None, completion: Completion | None = None) -> list[int]:
+        """Tokens the chat template renders between the model's last turn and the next
+        assistant turn when the messages `new` follow `history`, up to and including the next
+        assistant opener. `history[-1]` is the assistant turn the model just produced and
+        `completion` its tokens: the template's text after that turn's content is tokenized,
+        less the stop token the model already generated there (`<|im_end|>`, `<end_of_turn>`),
+        so the separator the template puts after it (ChatML's newline) is kept. Without
+        `completion` the model is taken to have ended its turn with the template's own
+        terminator. The model's tokens stay as generated."""
+        after, _ = self.turn_end(history, new, tools=tools)
+        stopped = (self._stop_text(completion.token_ids) if completion is not None
+                   else self._leading_special(after))
+        return self.encode(after[len(stopped):] if after.startswith(stopped) else after)
 
-        Only the template's text after the model's EOS is tokenized; the model's own tokens stay
-        as generated. Raises if the template renders earlier turns differently once more follow.
-        """
-        before = self.tokenizer.apply_chat_template(history, tokenize=False, **_tools(tools))
-        after = self.tokenizer.apply_chat_template(
-            [*history, *new], tokenize=False, add_generation_prompt=True, **_tools(tools)
-        )
-        eos = self.tokenizer.eos_token
-        cut = before.rfind(eos) if eos else -1
-        prefix = before[: cut + len(eos)] if cut >= 0 else before  # the model stopped at its EOS
-        if not after.startswith(prefix):
-            raise ValueError(
-                "this chat template renders earlier turns differently once more turns follow; "
-                "build multi-turn prompts with ctx.encode instead"
-            )
-        return self.encode(after[len(prefix):])
+    def turn_end(self, history: list[dict[str, Any]], new: list[dict[str, Any]], *,
+                 tools: Any = None) -> tuple[str, bool]:
+        """The template's text after the content of `history[-1]` (an assistant turn) when
+        `new` follow, up to the next assistant opener; and whether the template renders the
+        earlier turns and that turn's content unchanged once more turns follow (Qwen3's strips
+        `<think>` from past turns: a chained prompt would then differ from the one a server
+        renders for the same messages)."""
+        *before, reply = history
+        marked = self._render([*before, {**reply, "content": _TURN}, *new], tools)
+        prompt, found, after = marked.partition(_TURN)
+        if not found:
+            raise ValueError("the chat template does not render the assistant's content, so no "
+                             "turn boundary can be found; build prompts with ctx.encode instead")
+        unchanged = (prompt == self._render(before, tools) and
+                     self._render([*history, *new], tools) == prompt + (reply["content"] or "")
+                     + after)
+        return after, unchanged
+
+    def _render(self, messages: list[dict[str, Any]], tools: Any) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=True, **_tools(tools))
+
+    def _special_ids(self) -> set[int]:
+        added = getattr(self.tokenizer, "added_tokens_decoder", {}) or {}
+        return {*self.tokenizer.all_special_ids, *(i for i, t in added.items() if t.special)}
+
+    def _stop_text(self, token_ids: Sequence[int]) -> str:
+        """The text of the special tokens that end `token_ids` (the model's stop token)."""
+        special, k = self._special_ids(), len(token_ids)
+        while k and token_ids[k - 1] in special:
+            k -= 1
+        return self.tokenizer.decode(list(token_ids[k:]), skip_special_tokens=False)
+
+    def _leading_special(self, text: str) -> str:
+        """The special token `text` starts with, or ''."""
+        ids = self.encode(text)[:1]
+        return self._stop_text(ids) if ids else ""
 
     def stop_at(self, completion: Completion, marker: str) -> Completion:
         """`completion` cut right after the token whose text completes `marker` (finish reason
@@ -185,13 +230,15 @@ class RolloutContext:
         calls are recorded as `openai_client()`'s are."""
         return OpenAIAccess(await self._app().serve(), self._register())
 
-    def recorded_episode(self) -> Episode:
+    def recorded_episode(self, choice: int = 0) -> Episode:
         """The episode the OpenAI calls made: one token sequence, the model's turns trained on
-        and the messages between them not (see `openai_endpoint.Recorder.episode`)."""
+        and the messages between them not (see `openai_endpoint.Recorder.episode`). It ends in
+        choice `choice` of the last request (the one the agent answered with, when it asked for
+        n > 1); each earlier turn is the choice whose reply the agent sent back."""
         if self._recorder is None:
             raise ValueError("no OpenAI client or server was opened in this episode: use "
                              "ctx.openai_client() or await ctx.openai_server() first")
-        return self._recorder.episode()
+        return self._recorder.episode(choice)
 
     def close(self) -> None:
         """The episode is over: its key stops working (the scheduler calls this)."""
@@ -234,6 +281,25 @@ def field(sample: dict[str, Any], name: str) -> Any:
 
 def _tools(tools: Any) -> dict[str, Any]:
     return {} if tools is None else {"tools": tools}
+
+
+_TOOLS_CHECKED: set[str] = set()  # templates already checked in this process
+
+
+def _warn_if_tools_unrendered(tokenizer: Any, messages: list[dict[str, Any]],
+                              ids: list[int]) -> None:
+    """Warn once per template when it renders the same prompt with and without `tools`: the
+    model is never shown the tools it is given (the tiny model's and SmolLM2's templates)."""
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else \
+        repr(tokenizer.chat_template)
+    if template in _TOOLS_CHECKED:
+        return
+    _TOOLS_CHECKED.add(template)
+    if ids == _ids(tokenizer.apply_chat_template(messages, add_generation_prompt=True)):
+        log.warning("the chat template of %r does not render `tools`: the model is not shown "
+                    "the tools it is given. Use a model whose template renders them, or put "
+                    "their description in a system message",
+                    getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__)
 
 
 def _ids(encoded: Any) -> list[int]:

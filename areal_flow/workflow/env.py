@@ -74,7 +74,7 @@ async def env(ctx: RolloutContext, sample: dict):
                 break
             messages.append({"role": "assistant", "content": text})
             user = {"role": "user", "content": observation}
-            said = ctx.chat_delta(messages, [user])  # the environment's turn: context only
+            said = ctx.chat_delta(messages, [user], completion=out)  # context only
             messages.append(user)
             episode.add_tokens(said)
             context += said

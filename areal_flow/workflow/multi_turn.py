@@ -52,7 +52,7 @@ async def multi_turn(ctx: RolloutContext, sample: dict):
             break
         messages.append({"role": "assistant", "content": out.text})
         retry = {"role": "user", "content": cfg.feedback}
-        feedback = ctx.chat_delta(messages, [retry])
+        feedback = ctx.chat_delta(messages, [retry], completion=out)
         messages.append(retry)
         episode.add_tokens(feedback)
         context += feedback

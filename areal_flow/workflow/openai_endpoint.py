@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 import attrs
 
-from areal_flow.types import Completion, Episode
+from areal_flow.types import Completion, Episode, derived_seed
 
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
@@ -50,6 +50,8 @@ class Call:
     text: str  # the model's text, tool-call markup included (what the template is shown again)
     reply: dict[str, Any]  # the assistant message as returned to the agent
     parent: Call | None  # the call whose tokens this one's prompt continues
+    request: int  # which create() request of the episode made it (0, 1, ...)
+    index: int  # its choice index in that request
 
 
 def parse_reply(text: str, finish_reason: str) -> tuple[dict[str, Any], str]:
@@ -105,6 +107,9 @@ class Recorder:
     def __init__(self, ctx: Any):
         self.ctx = ctx
         self.calls: list[Call] = []
+        self.requests = 0
+        # requests that continued a reply the template renders differently: new sequences
+        self.rerendered: set[int] = set()
 
     async def create(self, body: dict[str, Any]) -> dict[str, Any]:
         """One `chat.completions.create` request body → the response body."""
@@ -114,11 +119,27 @@ class Recorder:
         overrides = self._sampling(body)
         stops = body.get("stop") or []
         stops = [stops] if isinstance(stops, str) else list(stops)
-        parent, prompt_ids = self._prompt(messages, tools)
+        n = int(body.get("n") or 1)
+        if n < 1:
+            raise ValueError(f"'n' must be at least 1, got {n}")
+        from areal_flow.workflow.context import PromptTooLong
+
+        try:
+            parent, prompt_ids = self._prompt(messages, tools)
+        except PromptTooLong as exc:  # the scheduler skips the sample, as it does in `rlvr`
+            self.ctx.over_budget = exc
+            raise
+        request, self.requests = self.requests, self.requests + 1
+        # the choices generate at once. A seed the agent fixes is folded into the episode's
+        # own (an agent that always sends seed=5 would otherwise make every choice and every
+        # episode of a group the same, and its advantages all 0)
+        seed = overrides.pop("seed", None)
+        outs = await asyncio.gather(*(self.ctx.generate(prompt_ids, **overrides, **(
+            {} if seed is None else
+            {"seed": derived_seed(self.ctx.seed, self.ctx.episode_id, "openai", seed, request,
+                                  index)}))
+            for index in range(n)))
         choices, completion_tokens = [], 0
-        n = int(body.get("n") or 1)  # the choices generate at once; seeds are taken in order
-        outs = await asyncio.gather(*(self.ctx.generate(prompt_ids, **overrides)
-                                      for _ in range(n)))
         for index, out in enumerate(outs):
             text = self.ctx.tokenizer.decode(out.token_ids, skip_special_tokens=True)
             found = [(text.find(stop), stop) for stop in stops if stop in text]
@@ -126,7 +147,8 @@ class Recorder:
                 at, stop = min(found)
                 out, text = self.ctx.stop_at(out, stop), text[:at]
             reply, reason = parse_reply(text, out.finish_reason)
-            self.calls.append(Call(messages, tools, list(prompt_ids), out, text, reply, parent))
+            self.calls.append(Call(messages, tools, list(prompt_ids), out, text, reply, parent,
+                                   request, index))
             choices.append({"index": index, "message": reply, "finish_reason": reason,
                             "logprobs": None})
             completion_tokens += len(out.token_ids)
@@ -144,30 +166,40 @@ class Recorder:
         return out
 
     def _prompt(self, messages: list[dict], tools: Any) -> tuple[Call | None, list[int]]:
-        """The prompt's tokens: an earlier call's tokens and the template's for the new messages
-        when `messages` continue that call's messages and reply, else the whole chat template."""
+        """The prompt's tokens: an earlier call's tokens and what the template renders after them
+        for the new messages when `messages` continue that call's messages and reply, else the
+        whole chat template. A template that renders the earlier turns differently once more
+        follow (Qwen3's drops past `<think>`) starts a new sequence: a server would render it so."""
         for call in reversed(self.calls):
             k = len(call.messages)
             if (len(messages) > k + 1 and call.tools == tools and messages[:k] == call.messages
                     and _same_message(messages[k], call.reply)):
                 history = _renderable([*call.messages, {"role": "assistant",
                                                         "content": call.text}])
-                delta = self.ctx.chat_delta(history, _renderable(messages[k + 1:]), tools=tools)
-                eos = self.ctx.tokenizer.eos_token_id
-                if not call.completion.token_ids or call.completion.token_ids[-1] != eos:
-                    delta = [eos, *delta]  # the template closes a turn the model did not end
+                new = _renderable(messages[k + 1:])
+                if not self.ctx.turn_end(history, new, tools=tools)[1]:
+                    self.rerendered.add(self.requests)
+                    break
+                delta = self.ctx.chat_delta(history, new, tools=tools, completion=call.completion)
                 return call, [*call.prompt_ids, *call.completion.token_ids, *delta]
         return None, self.ctx.chat(_renderable(messages), tools=tools)
 
-    def episode(self) -> Episode:
-        """The last call's chain as one sequence: the first prompt, then each model turn
-        (trained on) and the tokens between turns (not). `info["openai"]` counts the calls
-        and how many of them are in the trained sequence; calls outside it (the agent rewrote
-        its history, or a choice it did not continue) are not trained on."""
+    def episode(self, choice: int = 0) -> Episode:
+        """The chain that ends in choice `choice` of the last request, as one sequence: the
+        first prompt, then each model turn (trained on) and the tokens between turns (not); each
+        earlier turn is the choice whose reply the next request carried. `info["openai"]` counts
+        the calls, how many of them are in the trained sequence, and the calls that started a
+        new sequence because the template renders their history differently (`rerendered`);
+        calls outside the chain (the agent rewrote its history, or a choice it did not
+        continue) are not trained on."""
         if not self.calls:
             raise ValueError("no chat.completions.create call was made through this episode's "
                              "client: nothing to record")
-        chain, call = [], self.calls[-1]
+        last = [c for c in self.calls if c.request == self.requests - 1]
+        if not 0 <= choice < len(last):
+            raise ValueError(f"choice={choice}: the last request made choices 0 to "
+                             f"{len(last) - 1} (its n)")
+        chain, call = [], last[choice]
         while call is not None:
             chain.append(call)
             call = call.parent
@@ -178,10 +210,11 @@ class Recorder:
                                                len(before.completion.token_ids):])
             episode.add(call.completion)
         # a call that continues no earlier one, and is not a choice of the first request
-        first = self.calls[0].prompt_ids
-        rewrote = any(c.parent is None and c.prompt_ids != first for c in self.calls)
+        rewrote = any(c.parent is None and c.request > 0 and c.request not in self.rerendered
+                      for c in self.calls)
         episode.info["openai"] = {"calls": len(self.calls), "trained_calls": len(chain),
-                                  "rewrote_history": rewrote}
+                                  "rewrote_history": rewrote,
+                                  "rerendered": len(self.rerendered)}
         return episode
 
 
@@ -193,6 +226,7 @@ class OpenAIEndpoint:
         self.model = model
         self.recorders: dict[str, Recorder] = {}
         self._app = self._server = self._task = None
+        self._starting: asyncio.Lock | None = None  # made on the loop that serves
         self.base_url: str | None = None
 
     @property
@@ -216,21 +250,23 @@ class OpenAIEndpoint:
         self.recorders.pop(key, None)
 
     async def serve(self) -> str:
-        """Start the HTTP server on the running loop (once); its base URL."""
-        if self.base_url is None:
-            import asyncio
+        """Start the HTTP server on the running loop (once, however many episodes ask at the
+        same time); its base URL."""
+        if self._starting is None:
+            self._starting = asyncio.Lock()
+        async with self._starting:
+            if self.base_url is None:
+                import uvicorn
 
-            import uvicorn
-
-            self._server = uvicorn.Server(uvicorn.Config(
-                self.app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
-            self._task = asyncio.get_running_loop().create_task(self._server.serve())
-            while not self._server.started:
-                if self._task.done():  # it failed to start: raise its error
-                    self._task.result()
-                await asyncio.sleep(0.01)
-            port = self._server.servers[0].sockets[0].getsockname()[1]
-            self.base_url = f"http://127.0.0.1:{port}/v1"
+                self._server = uvicorn.Server(uvicorn.Config(
+                    self.app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
+                self._task = asyncio.get_running_loop().create_task(self._server.serve())
+                while not self._server.started:
+                    if self._task.done():  # it failed to start: raise its error
+                        self._task.result()
+                    await asyncio.sleep(0.01)
+                port = self._server.servers[0].sockets[0].getsockname()[1]
+                self.base_url = f"http://127.0.0.1:{port}/v1"
         return self.base_url
 
     async def close(self) -> None:
@@ -251,6 +287,8 @@ class OpenAIEndpoint:
             body = await request.json()
             response = await recorder.create(body)
         except (ValueError, TypeError) as exc:
+            if recorder.ctx.over_budget is exc:  # as OpenAI names a prompt over the context
+                return _error(400, "context_length_exceeded", str(exc))
             return _error(400, "invalid_request_error", str(exc))
         if not body.get("stream"):
             return JSONResponse(response)

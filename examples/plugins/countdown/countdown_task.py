@@ -202,7 +202,7 @@ async def two_turn(ctx, sample: dict):
         messages.append({"role": "assistant", "content": out.text})
         retry = {"role": "user", "content": feedback(judge(out.text, numbers, target),
                                                      numbers, target)}
-        tokens = ctx.chat_delta(messages, [retry])  # only what the template adds after our EOS
+        tokens = ctx.chat_delta(messages, [retry], completion=out)  # what the template adds
         messages.append(retry)
         episode.add_tokens(tokens)  # the environment's tokens: context, never trained on
         context += tokens
