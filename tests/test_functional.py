@@ -298,3 +298,37 @@ def test_final_token_rewards_put_each_reward_on_the_last_model_token(rows):
         for t in range(4):
             expected = r if t == last else 0.0
             assert got[i, t].item() == pytest.approx(expected, abs=1e-5)
+
+
+@pytest.mark.parametrize("aggregation", ["token", "sequence"])
+def test_a_positive_entropy_coefficient_raises_the_policys_entropy(aggregation):
+    """With zero advantages the policy-gradient term is 0: a step on the loss moves the policy
+    only through the entropy term, and with entropy_coef > 0 it must make the policy *more*
+    random (a flipped sign would lower it, a dropped term leave it unchanged)."""
+    g = torch.Generator().manual_seed(0)
+    logits = (3 * torch.randn(2, 4, 11, generator=g)).requires_grad_()
+    tokens = torch.randint(0, 11, (2, 4), generator=g)
+    mask = torch.tensor([[True, True, True, False], [True, True, False, False]])
+
+    def entropy_of(x):
+        logp_all = torch.log_softmax(x, -1)
+        return -(logp_all.exp() * logp_all).sum(-1), logp_all.gather(-1, tokens[..., None])[..., 0]
+
+    def masked_mean_entropy():
+        with torch.no_grad():
+            return (entropy_of(logits)[0] * mask).sum() / mask.sum()
+
+    before = masked_mean_entropy()
+    config = GRPOConfig(entropy_coef=0.5, loss=PolicyLossConfig(aggregation=aggregation))
+    optimizer = torch.optim.SGD([logits], lr=5.0)
+    for _ in range(5):
+        entropy, logp = entropy_of(logits)
+        mb = {"loss_mask": mask, "advantages": torch.zeros(2, 4),
+              "logprobs": logp.detach(), "versions": torch.ones(2, 4, dtype=torch.long),
+              "policy_version": torch.tensor([1, 1]),
+              "minibatch_progress": torch.tensor([0.5, 0.5])}
+        out = F.actor_loss(ModelOutput(logprobs=logp, entropy=entropy), mb, config)
+        optimizer.zero_grad()
+        (out.loss_sum / out.normalizer).backward()
+        optimizer.step()
+    assert masked_mean_entropy() > before + 0.1
