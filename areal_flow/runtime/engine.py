@@ -188,6 +188,13 @@ class TrainEngine:
             logprobs[index, :width] = out.logprobs.float().cpu()
             if out.values is not None:
                 values[index, :width] = out.values.float().cpu()
+        if self.sharded:
+            # FSDP2 keeps the root module's parameters gathered after its forward, for the
+            # backward it expects; none follows this one. Left so, `parameters()` would yield
+            # those plain tensors instead of the sharded ones the optimizer holds: a step with
+            # no backward (every row skipped) gave them plain gradients, which clip_grad_norm_
+            # refused to mix with the layers' DTensors, and the optimizer never saw them.
+            self.model.reshard()
         return TensorDict({"logprobs": logprobs, "values": values}, batch_size=[rows])
 
     # -- training -----------------------------------------------------------------------

@@ -174,13 +174,13 @@ class RolloutContext:
     async def reward(self, reward: Any, *args: Any, **kwargs: Any) -> float:
         """Score with a registered reward (name, or the decorated function) in the reward runner:
         a hung, crashing or raising reward scores its default. Its `metrics` function, if it
-        declares one, records the task's numbers for this episode in `self.metrics`."""
-        from areal_flow.reward.runner import resolve
+        declares one, records the task's numbers for this episode in `self.metrics`; one that
+        raises or returns anything but {name: finite number} records nothing and counts as a
+        failure of the reward (`RewardRunner.score_with_metrics`), never one of the workflow."""
+        from areal_flow.reward.runner import score_with_metrics
 
-        score = await self._score(reward, *args, **kwargs)
-        spec = resolve(reward)
-        if spec.metrics is not None:
-            self.metrics.update(spec.metrics(*args, **kwargs))
+        score, metrics = await score_with_metrics(self._score, reward, *args, **kwargs)
+        self.metrics.update(metrics)
         return score
 
     async def judge(self, rubric: str, completion: str, *, question: str | None = None,
