@@ -73,7 +73,8 @@ class RLConfig(RunConfig):
     class declares `reward: str`)."""
     reward_failure_limit: float = attrs.field(default=0.5, validator=[v.ge(0.0), v.le(1.0)])
     """Stop the run when a reward fails (timeout, crash, error, out of range: scored as its
-    default) on more than this fraction of its last 64 calls; 1 never stops."""
+    default; or its `metrics` fail) on more than this fraction of its last 64 calls; 1 never
+    stops."""
     eval_size: int = attrs.field(default=64, validator=v.ge(0))
     """Held-out rows evaluated greedily every `eval_every` steps (64: a 95% interval of about
     +-6 points near 5% accuracy; 16 could not tell 0% from 10%)."""
