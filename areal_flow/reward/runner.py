@@ -139,8 +139,8 @@ class RewardRunner:
     Args:
         max_workers: worker processes (every reward runs in one, sync or async).
         max_failure_rate: a reward failing (timeout, crash, error, out of range, its metrics) on
-            more than this fraction of its last `FAILURE_WINDOW` calls raises `RewardFailureError` from
-            then on; 1 never does.
+            more than this fraction of its last `FAILURE_WINDOW` calls raises
+            `RewardFailureError` from then on; 1 never does.
     """
 
     def __init__(self, max_workers: int = 2, max_failure_rate: float = 0.5):
