@@ -280,7 +280,7 @@ def test_a_server_reporting_default_is_labelled_or_taken_out(addrs, tmp_path, ti
             pool.update_weights(WeightUpdate(version=4, path=str(tiny_model_dir)))
             pool.stats()
 
-            async def unlabelled(server):  # admit it without catching it up
+            async def unlabelled(server, info):  # admit it without catching it up
                 pass
 
             pool._catch_up = unlabelled
@@ -587,3 +587,97 @@ def test_bucketed_weights_over_a_gloo_group(addrs, http, tmp_path, tiny_model_di
         pool.close()
         if torch.distributed.is_initialized():  # the runtime's own one-process world
             torch.distributed.destroy_process_group()
+
+
+# -- issue 36: attaching to servers another run used ------------------------------------------
+
+
+def test_a_lora_run_attaching_loads_its_base_model_or_refuses_naming_the_server(
+        addrs, http, tiny_model_dir, w1_dir, tmp_path):
+    """An adapter runs over whatever base a server holds: a LoRA run attaching to a server that
+    a full-weight run updated first loads its own base model; one that cannot is refused."""
+    from areal_flow.config import InferenceConfig
+    from areal_flow.lora import LoraConfig
+
+    d = addrs["C"]  # D was killed above
+    prompt = prompts(1)[0]
+    base = served_greedy(http, d, prompt)["output_ids"]
+    assert http.post(f"http://{d}/update_weights_from_disk", json={
+        "model_path": str(w1_dir), "weight_version": "9"}).json()["success"]
+    assert served_greedy(http, d, prompt)["output_ids"] != base  # another run's weights
+    config = InferenceConfig(backend="sglang", addresses=(d,), lease_dir=str(tmp_path))
+    unloadable = tmp_path / "tokenizer_only"  # a tokenizer (the pool's), but no weights
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(unloadable)
+    with pytest.raises(WeightUpdateError, match=rf"{d} holds '{w1_dir}' at weight version 9, "
+                                                rf"not this LoRA run's base model '{unloadable}'"):
+        SGLangPool.from_config(config, model=str(unloadable), lora=LoraConfig(rank=4))
+    pool = SGLangPool.from_config(config, model=str(tiny_model_dir), lora=LoraConfig(rank=4))
+    try:
+        assert http.get(f"http://{d}/model_info").json()["model_path"] == str(tiny_model_dir)
+        out = generate_all(pool, [greedy(prompt)])[0]
+        assert list(out.token_ids) == base and set(out.versions) == {0}
+    finally:
+        pool.close()
+
+
+def test_a_session_left_open_by_a_killed_trainer_never_wedges_the_server(addrs, http,
+                                                                         tiny_model_dir):
+    """A trainer killed between /begin_weight_update and /end_weight_update leaves the session
+    open (SGLang refuses every later begin): a run attaching ends it, and a pool whose begin is
+    refused ends it and begins again."""
+    d = addrs["C"]  # D was killed above
+    assert http.post(f"http://{d}/begin_weight_update", json={}).json()["success"]  # then killed
+    pool = SGLangPool([d])
+    group = None
+    try:
+        # attaching ended it: no session is open now
+        assert "without begin" in http.post(f"http://{d}/end_weight_update", json={}).text
+        group = weight_sync.connect(pool, "127.0.0.1", free_port(), backend="gloo",
+                                    group_name="wedge_group", timeout=GROUP_TIMEOUT)
+        state = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+        # a session left open while the pool holds the server (an answer lost, say)
+        assert http.post(f"http://{d}/begin_weight_update", json={}).json()["success"]
+        weight_sync.broadcast_buckets(pool, group, state.items(), version=3)
+        assert http.get(f"http://{d}/model_info").json()["weight_version"] == "3"
+        assert "without begin" in http.post(f"http://{d}/end_weight_update", json={}).text
+    finally:
+        if group is not None:
+            pool.destroy_weight_group(group.group_name)
+            group.close()
+        pool.close()
+
+
+def test_user_seeds_are_folded_into_sglangs_range_and_lora_errors_read_from_error_message(
+        addrs, http):
+    import httpx as _httpx
+
+    from areal_flow.inference.sglang_pool import _error_message, _lora_error
+
+    prompt = prompts(1)[0]
+    pool = SGLangPool([addrs["A"]])
+    try:
+        sampled = dict(max_new_tokens=6, temperature=1.0, ignore_eos=True)
+        out = generate_all(pool, [req(prompt, seed=2**64 - 1, **sampled)])[0]
+    finally:
+        pool.close()
+    direct = http.post(f"http://{addrs['A']}/generate", json={
+        "input_ids": prompt, "sampling_params": {**sampled, "sampling_seed": -1}}).json()
+    assert list(out.token_ids) == direct["output_ids"]
+    reply = _httpx.Response(400, json={"success": False, "loaded_adapters": {},
+                                       "error_message": "LoRA with name policy does not exist"})
+    assert _lora_error(reply) == _error_message(reply) == "LoRA with name policy does not exist"
+    printed = _httpx.Response(400, json={"success": False, "error_message": None,
+                                         "loaded_adapters": {"does not exist": "/x"}})
+    assert _lora_error(printed) == ""
+
+
+def test_lora_target_modules_sglang_rejects_are_refused_at_start():
+    from areal_flow.inference.launcher import lora_args
+    from areal_flow.lora import LoraConfig
+
+    with pytest.raises(ValueError, match=r"\['c_attn'\] are not module names SGLang .* "
+                                         r"allowed: all-linear, or some of q_proj k_proj"):
+        lora_args("sglang", LoraConfig(rank=4, target_modules=("c_attn",)))
+    assert lora_args("sglang", LoraConfig(rank=4, target_modules=("q_proj", "v_proj")))[-2:] \
+        == ("q_proj", "v_proj")
+    assert lora_args("sglang", LoraConfig(rank=4))[-1] == "all"

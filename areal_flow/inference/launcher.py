@@ -113,6 +113,11 @@ def serve_command(launcher: SGLangLauncher, slot: ServerSlot, *, dtype: str | No
     return [*argv, *launcher.extra_args]
 
 
+SGLANG_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                       "down_proj", "qkv_proj", "gate_up_proj", "embed_tokens", "lm_head", "all")
+"""The ``--lora-target-modules`` SGLang's launcher accepts (a fixed list; "all" is all-linear)."""
+
+
 def lora_args(program: str, lora: Any = None) -> tuple[str, ...]:
     """A server's options for the trainer's LoRA (`areal_flow.lora.LoraConfig`; none without):
     SGLang sizes its adapter memory pool at start, for the rank and modules given."""
@@ -121,6 +126,11 @@ def lora_args(program: str, lora: Any = None) -> tuple[str, ...]:
     if program == "areal-flow":
         return ("--enable-lora",)
     targets = ["all"] if lora.target_modules == ("all-linear",) else list(lora.target_modules)
+    unknown = [t for t in targets if t not in SGLANG_LORA_TARGETS]
+    if unknown:  # SGLang's launcher would exit on them, after minutes of loading
+        raise ValueError(f"'--train.lora.target-modules' {unknown} are not module names SGLang "
+                         f"serves adapters on; allowed: all-linear, or some of "
+                         f"{' '.join(SGLANG_LORA_TARGETS[:-1])}")
     return ("--enable-lora", "--max-lora-rank", str(lora.rank), "--lora-target-modules", *targets)
 
 

@@ -39,14 +39,23 @@ the calling (trainer) thread until the loop has done them.
   `stats()`), until an update reaches it whole: the next one from disk, or one over a new group
   (`areal_flow.runtime.weight_sync.connect` includes stale servers). Catching a server up holds
   the control lock, so a `pause` meanwhile waits for it; a joining server is not caught up while
-  the pool is paused (a weight update may be under way).
+  the pool is paused (a weight update may be under way), and is itself paused while it loads:
+  SGLang answers 400 to an update it applied when requests still run (the cache flush after it
+  is refused), so the pool updates only paused servers and, after a 400, reads the version the
+  server reports before deciding. A server new to the pool is first sent ``/end_weight_update``:
+  a run killed between begin and end leaves SGLang's session open, refusing every later begin,
+  and anyone may end it; a refused begin likewise ends every member's session and begins again.
 - **LoRA.** Weights that come as a LoRA adapter folder (`WeightUpdate.lora`) are loaded on each
   server as ``/unload_lora_adapter`` of the previous one, ``/load_lora_adapter`` under
   `LORA_NAME`, then ``/update_weight_version``; from then on every ``/generate`` names it in
   ``lora_path``, and a joining server gets the latest adapter the same way. The servers must run
-  with LoRA enabled (`from_config` launches them so).
+  with LoRA enabled (`from_config` launches them so). An adapter runs over whatever base a
+  server holds, so a LoRA run attaching to servers (`base`) first loads its base model on each
+  from disk, unless the server reports that folder and was never updated; one that cannot is
+  refused, named with the ``model_path`` and version it reports.
 - **Leases.** With `leases` (`lease.py`; `from_config` for servers it did not launch), the pool
-  holds a server's lease before it sends it anything and renews it every third of its time: a
+  holds a server's lease before it sends it anything and renews it every third of its time, in
+  a task of its own (a catch-up must not delay it): a
   server another live run holds is never admitted (logged, and `from_config` fails naming the holder when no server is
   left), so two runs never write weights into one server.
 - **Request ids.** Each attempt goes out under a fresh id: 32 hex digits, a dash, and the
@@ -62,7 +71,6 @@ import functools
 import logging
 import os
 import threading
-import time
 import uuid
 from collections.abc import Coroutine, Sequence
 from pathlib import Path
@@ -118,6 +126,9 @@ class _Server:
     """Its /generate calls in flight: taking it out cancels them (a frozen server never answers)."""
     checking: bool = False
     """A liveness check (`_check_alive`) is under way."""
+    known: bool = False
+    """This pool caught it up, and it still reports the label given then: its weights are this
+    run's. (Another run, or a restart, changes the label.)"""
 
     @property
     def url(self) -> str:
@@ -187,10 +198,20 @@ def _error_message(response: httpx.Response) -> str:
         body = response.json()
     except ValueError:
         return response.text
+    if isinstance(body, dict) and body.get("error_message"):  # LoRA replies (LoRAUpdateOutput)
+        return str(body["error_message"])
     error = body.get("error", body) if isinstance(body, dict) else body
     if isinstance(error, dict):
         return str(error.get("message", error))
     return str(error)
+
+
+def _lora_error(response: httpx.Response) -> str:
+    """SGLang's LoRA error (``error_message``), never matched in the printed reply."""
+    try:
+        return str(response.json().get("error_message") or "")
+    except (ValueError, AttributeError):
+        return ""
 
 
 class SGLangPool:
@@ -219,6 +240,10 @@ class SGLangPool:
         refresh_interval: seconds between re-reading the addresses file and health-checking
             servers out of rotation, and those in rotation that hold requests.
         sticky_capacity: most episode ids remembered for sticky routing (oldest forgotten).
+        leases: this run's leases (`lease.py`), for servers another run may use too.
+        base: a LoRA run's base model, as the servers can load it (a folder or hub name), when
+            they are not its own: a LoRA adapter runs over whatever base a server holds, so a
+            server loads this first (from disk) unless it still holds the model it started with.
     """
 
     def __init__(
@@ -238,6 +263,7 @@ class SGLangPool:
         refresh_interval: float = 1.0,
         sticky_capacity: int = 100_000,
         leases: Leases | None = None,
+        base: str | None = None,
     ):
         if (addresses is None) == (addresses_file is None):
             raise ValueError("give exactly one of 'addresses' and 'addresses_file'")
@@ -266,7 +292,9 @@ class SGLangPool:
         """This run's leases on its servers (`lease.py`): none taken when None."""
         self._refused: dict[str, str] = {}
         """Servers this run may not use now (leased by another run), with the reason."""
-        self._renewed = 0.0
+        self._base = base
+        self._unusable: dict[str, str] = {}
+        """Servers that could not load the base model (`base`), with the reason."""
 
         self._servers: dict[str, _Server] = {}
         self._sticky: collections.OrderedDict[str, _Server] = collections.OrderedDict()
@@ -338,7 +366,11 @@ class SGLangPool:
                        # servers it launched are its own; others may be another run's
                        leases=None if launcher is not None else Leases(
                            config.lease_dir or cache_dir() / "leases",
-                           holder=default_holder(run_dir)))
+                           holder=default_holder(run_dir)),
+                       # servers it did not launch may hold another run's weights, which a
+                       # LoRA update (adapter only) would not replace
+                       base=model if launcher is None and lora is not None and lora.enabled
+                       else None)
         except BaseException:
             if launcher is not None:
                 launcher.stop()
@@ -349,6 +381,8 @@ class SGLangPool:
             pool.close()
             if refused:
                 raise ServerLeased("; ".join(refused) + " (each server here is in use)")
+            if pool._unusable:
+                raise WeightUpdateError("; ".join(pool._unusable.values()))
             named = addresses or f"the servers listed in {config.addresses_file}"
             raise ConnectionError(f"no generation server answers GET /health at {named}; "
                                   "start them, or leave --inference.addresses empty to launch")
@@ -500,6 +534,8 @@ class SGLangPool:
             self._servers[address] = _Server(address)
         await self._refresh(force=True)
         self._spawn(self._refresh_periodically())
+        if self._leases is not None:
+            self._spawn(self._renew_periodically())
 
     async def _shutdown(self) -> None:
         for task in list(self._tasks):
@@ -655,7 +691,9 @@ class SGLangPool:
         }
         seed = _resubmission_seed(sp.seed, len(active.tokens))
         if seed is not None and not sp.greedy:
-            params["sampling_seed"] = seed
+            # SGLang takes int64 seeds: the same 64 bits, read as signed (areal-flow serve
+            # reads them back as unsigned, so both servers sample alike)
+            params["sampling_seed"] = seed - 2**64 if seed >= 2**63 else seed
         body = {"input_ids": [*active.request.input_ids, *active.tokens],
                 "sampling_params": params, "rid": active.wire_rid, "return_logprob": True}
         if self._adapter is not None:
@@ -815,7 +853,7 @@ class SGLangPool:
         """Replace `server`'s adapter: SGLang refuses a second load under a loaded name, so the
         old one goes first (the pool is paused: no request uses it)."""
         response = await self._post(server, "/unload_lora_adapter", {"lora_name": LORA_NAME})
-        if response.status_code != 200 and "does not exist" not in _error_message(response):
+        if response.status_code != 200 and "does not exist" not in _lora_error(response):
             raise WeightUpdateError(f"{server.address}/unload_lora_adapter failed: "
                                     f"{_error_message(response)}")
         await self._checked(server, "/load_lora_adapter",
@@ -823,6 +861,35 @@ class SGLangPool:
         await self._checked(server, "/update_weight_version",
                             {"new_version": label, "abort_all_requests": True})
         server.label = label
+
+    async def _load_base(self, server: _Server, info: dict) -> None:
+        """The base model (`base`) on a server out of rotation, unless it reports the base's
+        folder and was never updated (SGLang's ``"default"``); else it is refused, named."""
+        if info.get("model_path") == self._base and server.label == "default":
+            return
+        try:
+            await self._load_paused(server, self._base, self._version)
+        except WeightUpdateError as exc:
+            self._unusable[server.address] = (
+                f"SGLang server {server.address} holds {info.get('model_path')!r} at weight "
+                f"version {server.label}, not this LoRA run's base model {self._base!r}, and "
+                f"could not load it: {exc}")
+            raise WeightUpdateError(self._unusable[server.address]) from exc
+
+    async def _load_paused(self, server: _Server, path: str, version: int) -> None:
+        """``/update_weights_from_disk`` on a server out of rotation, paused meanwhile: SGLang
+        answers 400 to an update it applied when requests still run (the flush after it is
+        refused), and a joining server may hold some (sent before it left rotation)."""
+        await self._checked(server, "/pause_generation", {"mode": "abort"},
+                            timeout=self._pause_timeout)
+        try:
+            await self._checked(server, "/update_weights_from_disk", {
+                "model_path": path, "weight_version": str(version), "abort_all_requests": True,
+                "flush_cache": True})
+        finally:
+            await self._quietly(self._post(server, "/continue_generation", {},
+                                           timeout=self._pause_timeout))
+        server.label = str(version)
 
     def _caught_up(self, servers: list[_Server], label: str | None = None) -> None:
         for server in servers:
@@ -841,14 +908,20 @@ class SGLangPool:
 
     async def _begin_session(self, group_name: str) -> None:
         members = self._members(group_name)
-        results = await asyncio.gather(
-            *(self._checked(s, "/begin_weight_update", {"selector": "all"}) for s in members),
-            return_exceptions=True)
-        opened = [s for s, r in zip(members, results) if not isinstance(r, BaseException)]
-        if len(opened) < len(members):
+        for _ in range(2):
+            results = await asyncio.gather(
+                *(self._checked(s, "/begin_weight_update", {"selector": "all"}) for s in members),
+                return_exceptions=True)
+            failed = [r for r in results if isinstance(r, BaseException)]
+            if not failed:
+                return
+            # End the session on every member, then try once more: the ones this call opened,
+            # one whose answer was lost, and one left open before (a trainer killed between
+            # begin and end). SGLang keeps one session per server, whoever opened it, and lets
+            # anyone end it; this run holds these servers, so no one else's session is open.
             await asyncio.gather(*(self._quietly(self._checked(s, "/end_weight_update", {}))
-                                   for s in opened))
-            raise next(r for r in results if isinstance(r, BaseException))
+                                   for s in members))
+        raise failed[0]
 
     async def _end_session(self, group_name: str) -> None:
         results = await asyncio.gather(  # every member is closed, even when one fails
@@ -933,10 +1006,24 @@ class SGLangPool:
         except _ServerDown as exc:
             self._take_out(server, exc)
             raise WeightUpdateError(str(exc)) from exc
-        if response.status_code != 200:
+        if response.status_code != 200 and not await self._applied(server, body):
             raise WeightUpdateError(f"{server.address}{path} failed ({response.status_code}): "
                                     f"{_error_message(response)}")
         return response.json() if response.content else {}
+
+    async def _applied(self, server: _Server, body: dict) -> bool:
+        """After a refused weight update: whether it took effect anyway. SGLang loads the
+        weights, then answers 400 when the cache flush after them is refused (a request still
+        running); the version it reports tells."""
+        version = body.get("weight_version")
+        if version is None:
+            return False
+        try:
+            info = await self._post(server, "/model_info", method="GET",
+                                    timeout=self._health_timeout)
+            return str(info.json().get("weight_version")) == str(version)
+        except (_ServerDown, ValueError, AttributeError):
+            return False
 
     async def _on_healthy(self, path: str, body: dict, *, strict: bool = False,
                           timeout: httpx.Timeout | None = None) -> list[_Server]:
@@ -952,7 +1039,7 @@ class SGLangPool:
                 self._take_out(server, result)
             elif isinstance(result, BaseException):
                 raise result
-            elif result.status_code != 200:
+            elif result.status_code != 200 and not await self._applied(server, body):
                 refused.append(f"{server.address}: {_error_message(result)}")
             else:
                 done.append(server)
@@ -975,17 +1062,24 @@ class SGLangPool:
         while True:
             await asyncio.sleep(self._refresh_interval)
             try:
-                self._renew_leases()
                 await self._refresh()
             except Exception:
                 log.exception("refreshing the SGLang servers failed")
 
+    async def _renew_periodically(self) -> None:
+        """Every third of a lease's time, in a task of its own: the refresh holds the control
+        lock through a joining server's catch-up, which lasts as long as loading a model, and
+        a lease must not expire meanwhile."""
+        while True:
+            await asyncio.sleep(self._leases.ttl / 3)
+            try:
+                self._renew_leases()
+            except Exception:
+                log.exception("renewing the leases on the SGLang servers failed")
+
     def _renew_leases(self) -> None:
-        """Every third of a lease's time; a server whose lease another run took over (this one
-        was not renewed in time) leaves rotation, before this run writes into it again."""
-        if self._leases is None or time.monotonic() - self._renewed < self._leases.ttl / 3:
-            return
-        self._renewed = time.monotonic()
+        """A server whose lease another run took over (this one was not renewed in time) leaves
+        rotation, before this run writes into it again."""
         for address in self._leases.renew():
             server = self._servers.get(address)
             log.error("SGLang server %s: this run's lease on it expired and another run took "
@@ -1083,32 +1177,40 @@ class SGLangPool:
                 return
             self._refused.pop(server.address, None)
         try:
-            info = await self._post(server, "/model_info", method="GET",
-                                    timeout=self._health_timeout)
-            server.label = str(info.json().get("weight_version"))
-            await self._catch_up(server)
+            info = (await self._post(server, "/model_info", method="GET",
+                                     timeout=self._health_timeout)).json()
+            label = str(info.get("weight_version"))
+            if label != server.label:  # restarted, or written by another run, since
+                server.known = False
+            server.label = label
+            if not server.known:
+                # a weight-update session left open (a run killed between begin and end)
+                # refuses every later begin: anyone may end it (`_begin_session`)
+                await self._quietly(self._post(server, "/end_weight_update", {}, retry=False))
+            await self._catch_up(server, info)
         except (_ServerDown, WeightUpdateError) as exc:
-            log.info("SGLang server %s is not ready: %s", server.address, exc)
+            log.warning("SGLang server %s is not ready: %s", server.address, exc)
             return
+        self._unusable.pop(server.address, None)
+        server.known = not server.stale
         server.healthy = True
         if not server.stale:
             log.info("SGLang server %s is in rotation (weights version %s)", server.address,
                      server.label)
 
-    async def _catch_up(self, server: _Server) -> None:
+    async def _catch_up(self, server: _Server, info: dict) -> None:
         """Give a joining server the latest weights, or mark it stale (module docstring)."""
         current = str(self._version)
         server.stale = False
-        if server.label == current:
+        if server.known and server.label == current:
             return
+        if self._base is not None and not server.known and self._disk is None \
+                and not self._over_group:
+            await self._load_base(server, info)
         if self._adapter is not None:
             await self._swap_adapter(server, self._adapter[0], str(self._adapter[1]))
-        if self._disk is not None and server.label != str(self._disk[1]):
-            path, version = self._disk
-            await self._checked(server, "/update_weights_from_disk", {
-                "model_path": path, "weight_version": str(version), "abort_all_requests": True,
-                "flush_cache": True})
-            server.label = str(version)
+        if self._disk is not None and (not server.known or server.label != str(self._disk[1])):
+            await self._load_paused(server, *self._disk)
         if server.label == current:
             return
         if self._over_group:
