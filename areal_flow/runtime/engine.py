@@ -370,6 +370,7 @@ class TrainEngine:
         per step. From then on each optimizer step pauses it (interrupting its requests, as an
         update does) and the next `sync_weights` resumes it under the new version, so call
         this after every `train`, as the recipes do."""
+        import shutil
         import time
 
         from areal_flow.lora import save_adapter
@@ -397,12 +398,23 @@ class TrainEngine:
                 broadcast_buckets(pool, group, state.items(), version=version,
                                   bucket_bytes=bucket_bytes)
             elif folder is not None:
+                # Never write into the folder the pool last named: a server joining meanwhile
+                # loads it under that version. Each version gets a folder of its own, written
+                # whole under a temporary name first; older ones go once the pool names it.
+                folder = Path(folder)
+                final, tmp = folder / f"v{version}", folder / f".v{version}.tmp"
+                shutil.rmtree(tmp, ignore_errors=True)
                 if self.adapter is not None:
-                    save_adapter(folder, state, self.adapter)
+                    save_adapter(tmp, state, self.adapter)
                 else:
-                    self.model.save_pretrained(folder, state_dict=state)
-                pool.update_weights(WeightUpdate(version=version, path=str(folder),
+                    self.model.save_pretrained(tmp, state_dict=state)
+                shutil.rmtree(final, ignore_errors=True)  # a restart's, never named since
+                tmp.rename(final)
+                pool.update_weights(WeightUpdate(version=version, path=str(final),
                                                  lora=self.adapter))
+                for old in folder.iterdir():
+                    if old != final:
+                        shutil.rmtree(old, ignore_errors=True)
             else:
                 kept = pool.update_weights(WeightUpdate(version=version, state_dict=state,
                                                         live=live, lora=self.adapter))
