@@ -601,6 +601,9 @@ def test_a_lora_run_attaching_loads_its_base_model_or_refuses_naming_the_server(
 
     d = addrs["C"]  # D was killed above
     prompt = prompts(1)[0]
+    # what the base model answers (earlier tests leave C with other weights)
+    assert http.post(f"http://{d}/update_weights_from_disk", json={
+        "model_path": str(tiny_model_dir), "weight_version": "1"}).json()["success"]
     base = served_greedy(http, d, prompt)["output_ids"]
     assert http.post(f"http://{d}/update_weights_from_disk", json={
         "model_path": str(w1_dir), "weight_version": "9"}).json()["success"]
