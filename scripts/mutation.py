@@ -1,0 +1,184 @@
+"""Mutation testing of the core, one module at a time, against the tests that cover it.
+
+    pip install -e '.[mutation]'                      # mutmut 3.8.1
+    python scripts/mutation.py                          # every module below (about an hour)
+    python scripts/mutation.py areal_flow/registry.py   # one module
+    python scripts/mutation.py --show areal_flow/registry.py   # and each survivor's diff
+
+mutmut (https://github.com/boxed/mutmut) puts small realistic bugs into a module — a flipped
+operator, an off-by-one, a dropped argument, a constant changed — and runs the tests against each.
+Each module runs in a scratch copy of the working tree (`.mutation/<module>/`, ignored by git)
+with only its tests selected (`MODULES`); mutmut maps each test to the functions it calls, so a
+mutant runs only the tests that reach it. A mutant no test reaches ("no tests") is a survivor.
+
+The wording of errors, warnings and log lines is not mutated (`raise`, `log.*` and `warnings.warn`
+statements, and docstrings): tests match the words that matter by pattern. Mutants that cannot
+change behaviour are listed with the reason in `scripts/mutation_equivalent/<module>.toml` and
+counted apart. Each module's result goes to `benchmarks/results/mutation/<module>.json` and the
+table of all of them to `docs/mutation.md`. It does not run in CI: too slow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import tomllib
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# module -> the test files that exercise it in process (subprocess tests cannot see mutants)
+MODULES: dict[str, list[str]] = {
+    "areal_flow/algorithms/functional.py": ["tests/test_functional.py", "tests/test_ppo.py",
+                                            "tests/test_reinforce_pp.py", "tests/test_mismatch.py"],
+    "areal_flow/rollout/scheduler.py": ["tests/test_scheduler.py",
+                                        "tests/test_scheduler_properties.py"],
+    "areal_flow/runtime/checkpoint.py": ["tests/test_runtime_checkpoint.py"],
+    "areal_flow/run.py": ["tests/test_run_dir.py"],
+    "areal_flow/reward/runner.py": ["tests/test_reward_runner.py"],
+    "areal_flow/inference/local.py": ["tests/test_local_engine.py"],
+    "areal_flow/registry.py": ["tests/test_registry.py"],
+    "areal_flow/runtime/engine.py": ["tests/test_engine_steps.py"],
+    "areal_flow/runtime/microbatch.py": ["tests/test_runtime.py"],
+    "areal_flow/runtime/logprobs.py": ["tests/test_logprobs.py"],
+    "areal_flow/data/collate.py": ["tests/test_collate.py"],
+    "areal_flow/inference/sglang_pool.py": ["tests/test_sglang_pool.py"],
+}
+# statements whose mutants would only change wording (see the module docstring)
+WORDING = [r"^\s*raise ", r"^\s*(log|logger)\.\w+\(", r"^\s*warnings\.warn\("]
+EQUIVALENT = ROOT / "scripts" / "mutation_equivalent"  # <module>.toml: mutant name = "why"
+RESULTS = ROOT / "benchmarks" / "results" / "mutation"  # <module>.json: the latest run's
+TABLE = ROOT / "docs" / "mutation.md"
+
+
+def run_module(module: str, tests: list[str], workdir: Path) -> tuple[dict[str, str], float]:
+    """mutmut's verdict per mutant name, and the seconds it took."""
+    shutil.rmtree(workdir, ignore_errors=True)
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,
+                           check=True, capture_output=True).stdout.split(b"\0")
+    for name in filter(None, (f.decode() for f in files)):
+        if (ROOT / name).is_file():
+            (workdir / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, workdir / name)
+    with open(workdir / "pyproject.toml", "a") as f:
+        f.write(_toml(module, tests))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", "2"],
+                          cwd=workdir, env=env, capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    if done.returncode != 0:
+        raise SystemExit(f"mutmut failed on {module}:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+    listing = subprocess.run([sys.executable, "-m", "mutmut", "results", "--all", "true"],
+                             cwd=workdir, env=env, capture_output=True, text=True, check=True)
+    verdicts = {}
+    for line in listing.stdout.splitlines():
+        name, sep, verdict = line.strip().rpartition(": ")
+        if sep:
+            verdicts[name] = verdict
+    return verdicts, seconds
+
+
+def _toml(module: str, tests: list[str]) -> str:
+    def array(items):
+        return "[" + ", ".join("'" + i + "'" for i in items) + "]"  # literal strings: no escapes
+
+    return "\n".join([
+        "", "[tool.mutmut]", "source_paths = ['areal_flow']", f"only_mutate = {array([module])}",
+        f"pytest_add_cli_args_test_selection = {array(tests)}",
+        "pytest_add_cli_args = ['-p', 'no:cacheprovider', '-q', '-x']",
+        f"do_not_mutate_patterns = {array(WORDING)}",
+        # torch is not fork-safe once a test used it: fork each mutant from a clean server
+        "process_isolation = 'forkserver'", ""])
+
+
+def show(workdir: Path, name: str) -> str:
+    out = subprocess.run([sys.executable, "-m", "mutmut", "show", name], cwd=workdir,
+                         capture_output=True, text=True).stdout
+    return "\n".join(line for line in out.splitlines()[1:] if line[:1] in "+-@ ")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("modules", nargs="*", help=f"default: all of {', '.join(MODULES)}")
+    parser.add_argument("--show", action="store_true", help="print each survivor's diff")
+    args = parser.parse_args()
+    unknown = [m for m in args.modules if m not in MODULES]
+    if unknown:
+        parser.error(f"unknown module(s) {unknown}; the modules: {', '.join(MODULES)}")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    for module in args.modules or MODULES:
+        stem = module.removeprefix("areal_flow/").removesuffix(".py").replace("/", ".")
+        workdir = ROOT / ".mutation" / stem
+        verdicts, seconds = run_module(module, MODULES[module], workdir)
+        reasons = _equivalent(stem)
+        stale = sorted(set(reasons) - set(verdicts))
+        if stale:
+            print(f"  {EQUIVALENT / (stem + '.toml')} names mutants that no longer exist: {stale}")
+        survivors = {n: v for n, v in verdicts.items() if v != "killed" and n not in reasons}
+        for name, verdict in sorted(survivors.items()):
+            print(f"  survived: {name} ({verdict})")
+            if args.show:
+                print(re.sub(r"^", "    ", show(workdir, name), flags=re.M))
+        result = {"module": module, "stem": stem, "tests": MODULES[module], "minutes": round(seconds / 60, 1),
+                  "verdicts": dict(Counter(verdicts.values())),
+                  "equivalent": sorted(n for n in reasons if n in verdicts),
+                  "survivors": sorted(survivors)}
+        (RESULTS / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
+        print(_row(result), flush=True)
+    write_table()
+
+
+def _equivalent(stem: str) -> dict[str, str]:
+    path = EQUIVALENT / f"{stem}.toml"
+    return tomllib.loads(path.read_text()) if path.exists() else {}
+
+
+def _row(r: dict) -> str:
+    total = sum(r["verdicts"].values())
+    live = total - len(r["equivalent"])
+    killed = live - len(r["survivors"])
+    return (f"| `{r['module']}` | {total} | {killed} | {len(r['survivors'])} "
+            f"({r['verdicts'].get('no tests', 0)} reached by no test) | {len(r['equivalent'])} "
+            f"| {killed / max(live, 1):.0%} | {r['minutes']} |")
+
+
+def write_table() -> None:
+    """docs/mutation.md from every module's latest result."""
+    results = [json.loads(p.read_text()) for p in sorted(RESULTS.glob("*.json"))]
+    results.sort(key=lambda r: list(MODULES).index(r["module"]) if r["module"] in MODULES else 99)
+    reasons = []
+    for r in results:
+        for name, why in _equivalent(r["stem"]).items():
+            reasons.append(f"- `{name}`: {why}")
+    survivors = [f"- `{n}`" for r in results for n in r["survivors"]]
+    TABLE.write_text(f"""# Mutation testing
+
+Small realistic bugs put into the core modules one at a time (mutmut 3.8.1), each run against
+the tests of its module (`scripts/mutation.py` says how mutants are chosen and which tests run).
+Regenerate a row with `python scripts/mutation.py MODULE` (every row: no argument; `--show`
+prints each survivor's diff). Not run in CI: too slow.
+
+| module | mutants | killed | survived | equivalent | killed of non-equivalent | minutes |
+|---|---|---|---|---|---|---|
+{chr(10).join(_row(r) for r in results)}
+
+## Equivalent mutants (they cannot change behaviour)
+
+{chr(10).join(reasons) or "none"}
+
+## Survivors
+
+{chr(10).join(survivors) or "none"}
+""")
+
+
+if __name__ == "__main__":
+    main()
