@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import sys
+from importlib.metadata import EntryPoint
+
 import attrs
 import pytest
 
 from areal_flow import algorithm, algorithms, reward, rewards, workflow, workflows
-from areal_flow.registry import DuplicateNameError, Registry, UnknownNameError
+from areal_flow import registry as registry_module
+from areal_flow.registry import (
+    DuplicateNameError,
+    PluginInfo,
+    PluginLoadError,
+    Registry,
+    RegistryError,
+    UnknownNameError,
+)
 from areal_flow.types import AlgorithmSpec, RewardSpec, WorkflowSpec
 from tests.helpers import make_distribution, run_cli, run_python
 
@@ -109,8 +120,9 @@ def test_redefining_the_same_function_replaces_it():
 
     first, second = make(), make()
     registry.register("x", first)
+    assert registry.get("x") is first  # a lookup caches what it found
     registry.register("x", second)
-    assert registry.get("x") is second
+    assert registry.get("x") is second  # and registering the name again drops that
 
 
 def test_spec_validation_names_the_field():
@@ -278,3 +290,172 @@ def test_in_process_registration_that_shadows_a_plugin_is_an_error(tmp_path):
         site,
     )
     assert "task-plugin 0.1" in out.stdout and "__main__:mine" in out.stdout
+
+
+# --------------------------------------------------------------------------- in process
+# The same lookups without a fresh interpreter (so mutation testing sees them): a registry of
+# a group of its own over distributions laid out on sys.path, plus in-process registrations.
+
+GROUP = "areal_flow.test_registry_group"
+
+
+def _rewards_of_group() -> Registry:
+    return Registry("reward", GROUP, lambda name, fn: RewardSpec(name=name, fn=fn))
+
+
+@pytest.fixture
+def on_path(tmp_path, monkeypatch):
+    """Install a distribution announcing `eps` in GROUP, visible to this process only."""
+
+    def install(dist: str, eps: dict[str, str], modules: dict[str, str]):
+        root = make_distribution(tmp_path / dist, dist, {GROUP: eps}, modules)
+        monkeypatch.syspath_prepend(str(root))
+
+    return install
+
+
+class Holder:
+    @staticmethod
+    def score(completion: str) -> float:
+        return 2.0
+
+
+def declared_in_test(completion: str) -> float:
+    return 3.0
+
+
+def test_entry_points_of_a_group_resolve_lazily_and_are_listed_with_their_source(on_path):
+    on_path(
+        "ep-plugin",
+        {"ep.plain": "ep_plain_mod:score", "test_registry.ep_decorated": "ep_decorated_mod:score"},
+        {
+            "ep_plain_mod": "def score(completion):\n    return 1.0\n",
+            "ep_decorated_mod": """
+                from areal_flow import reward
+                @reward("test_registry.ep_decorated", timeout=2.0)
+                def score(completion):
+                    return 0.0
+            """,
+        },
+    )
+    registry = _rewards_of_group()
+
+    def local_fn(completion):
+        return 0.0
+
+    registry.register("local.only", RewardSpec(name="local.only", fn=local_fn))
+    assert "ep.plain" in registry and "local.only" in registry and "ep.nope" not in registry
+    assert registry.names() == ["ep.plain", "local.only", "test_registry.ep_decorated"]
+    assert registry.plugins() == [
+        PluginInfo("reward", "ep.plain", "ep-plugin 0.1", "ep_plain_mod:score"),
+        PluginInfo("reward", "local.only", "in-process", f"{__name__}:{local_fn.__qualname__}"),
+        PluginInfo("reward", "test_registry.ep_decorated", "ep-plugin 0.1", "ep_decorated_mod:score"),
+    ]
+    assert "ep_plain_mod" not in sys.modules  # listing imports nothing
+
+    import importlib
+
+    plain = registry.spec("ep.plain")  # an undecorated function: wrapped by the registry's rule
+    assert plain == RewardSpec(name="ep.plain", fn=importlib.import_module("ep_plain_mod").score)
+    assert "ep_decorated_mod" not in sys.modules  # only the name asked for was imported
+    decorated = registry.spec("test_registry.ep_decorated")  # its decorator's declarations
+    assert decorated.timeout == 2.0 and decorated.fn("x") == 0.0
+    assert registry.spec("test_registry.ep_decorated") is decorated
+
+    # Registering the loaded object again in-process (a reloaded module) keeps one row.
+    registry.register("ep.plain", plain)
+    assert [r.name for r in registry.plugins()].count("ep.plain") == 1
+    assert registry.spec("ep.plain") == plain
+
+
+def test_one_name_from_two_distributions_in_process_names_both_and_their_targets(on_path):
+    shared = {"dup_a_mod": "def score(completion):\n    return 1.0\n"}
+    on_path("dist-one", {"dup.score": "dup_a_mod:score"}, shared)
+    on_path("dist-two", {"dup.score": "dup_b_mod:score", "dup.other": "dup_a_mod:score"},
+            {"dup_b_mod": "def score(completion):\n    return 2.0\n"})
+    registry = _rewards_of_group()
+    with pytest.raises(DuplicateNameError) as err:
+        registry.spec("dup.score")
+    message = str(err.value)
+    # sys.path order: the distribution installed last comes first
+    assert "dist-two 0.1 (dup_b_mod:score) and dist-one 0.1 (dup_a_mod:score)" in message
+    assert registry.get("dup.other")("x") == 1.0  # the other name still resolves
+
+
+def test_entry_point_named_unlike_its_decorator_or_shadowed_in_process_is_an_error(on_path):
+    on_path(
+        "named",
+        {"ep.alias": "ep_alias_mod:score", "ep.shadowed": "ep_shadow_mod:score"},
+        {
+            "ep_alias_mod": """
+                from areal_flow import reward
+                @reward("test_registry.ep_alias_real")
+                def score(completion):
+                    return 1.0
+            """,
+            "ep_shadow_mod": "def score(completion):\n    return 1.0\n",
+        },
+    )
+    registry = _rewards_of_group()
+    with pytest.raises(RegistryError, match="decorated as 'test_registry.ep_alias_real'"):
+        registry.spec("ep.alias")
+
+    def mine(completion):
+        return 0.0
+
+    registry.register("ep.shadowed", RewardSpec(name="ep.shadowed", fn=mine))
+    with pytest.raises(DuplicateNameError, match="named 0.1") as err:
+        registry.spec("ep.shadowed")
+    assert mine.__qualname__ in str(err.value)
+
+
+def test_a_broken_entry_point_in_process_names_its_distribution(on_path):
+    on_path("broken-one", {"ep.broken": "ep_broken_mod:score"},
+            {"ep_broken_mod": "import not_a_real_module_xyz\n"})
+    with pytest.raises(PluginLoadError, match="from distribution broken-one 0.1 failed to load"):
+        _rewards_of_group().spec("ep.broken")
+
+
+def test_an_entry_point_without_a_distribution_is_listed_as_such(monkeypatch):
+    ep = EntryPoint(name="ep.orphan", value="somewhere:fn", group=GROUP)
+    monkeypatch.setattr(registry_module, "entry_points", lambda group: [ep] if group == GROUP else [])
+    assert _rewards_of_group().plugins() == [
+        PluginInfo("reward", "ep.orphan", "an unknown distribution", "somewhere:fn")
+    ]
+
+
+def test_a_spec_registered_in_process_is_found_by_the_objects_path_too():
+    registry = _rewards_of_group()
+    spec = RewardSpec(name="test_registry.in_test", fn=declared_in_test, timeout=4.0)
+    assert registry.register("test_registry.in_test", spec) is declared_in_test
+    assert registry.spec(f"{__name__}:declared_in_test") is spec
+
+
+def test_registries_without_specs_return_objects_as_they_are():
+    pools = Registry("pool", "areal_flow.test_nothing")
+    assert pools.get(f"{__name__}:undecorated") is undecorated
+    first, second = object(), object()
+    pools.register("p", first)
+    assert pools.plugins() == [PluginInfo("pool", "p", "in-process", f"?:{first!r}")]
+    with pytest.raises(DuplicateNameError):  # two distinct objects, however anonymous
+        pools.register("p", second)
+
+
+def test_dotted_path_reaches_nested_attributes_and_blames_the_missing_part():
+    registry = _rewards_of_group()
+    assert registry.get(f"{__name__}:Holder.score") is Holder.score
+    with pytest.raises(UnknownNameError, match="AttributeError"):
+        registry.spec(f"{__name__}:Holder:score")  # the module exists, the attribute does not
+
+
+def test_unknown_name_message_of_an_empty_and_of_a_filled_registry():
+    registry = Registry("gadget", "areal_flow.test_nothing")
+    with pytest.raises(UnknownNameError) as err:
+        registry.spec("x")
+    assert str(err.value).startswith("unknown gadget 'x'; known: (none registered)")
+    assert str(err.value).endswith("(a 'package.module:attribute' path also works)")
+    registry.register("b.two", object())
+    registry.register("a.one", object())
+    with pytest.raises(UnknownNameError) as err:
+        registry.spec("zzz")
+    assert "known: a.one, b.two" in str(err.value)
