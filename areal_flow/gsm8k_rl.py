@@ -457,6 +457,8 @@ def batch_metrics(cfg: RLConfig, batch, scheduler: RolloutScheduler) -> dict[str
     out["task_metrics"] = sorted(batch["metrics"].keys())  # the panel shows these
     out["sample_ids"] = sorted(set(batch["sample_ids"].tolist()))  # for exact-resume checks
     out["memory/peak_rss_gb"] = peak_rss_gb()
+    if torch.cuda.is_available():  # this rank's device: weights, optimizer, engine, activations
+        out["memory/peak_gpu_gb"] = torch.cuda.max_memory_allocated() / 2**30
     lags = batch["policy_version"][:, None] - batch["versions"]
     out["staleness/mean"] = lags[batch["loss_mask"]].float().mean().item()
     out["staleness/max"] = lags[batch["loss_mask"]].max().item() \

@@ -123,7 +123,7 @@ def test_after_lora_steps_the_engine_generates_what_the_merged_model_does(traine
             adapter_bytes = sum(t.numel() * 4 for k, t in trainer.full_state_dict().items()
                                 if is_adapter(k))
             assert sync["sync/bytes"] == adapter_bytes
-            assert not (tmp_path / "adapter" / "model.safetensors").exists()
+            assert not list((tmp_path / "adapter").rglob("model.safetensors"))  # no base
         tokens, logprobs = engine_greedy(engine)
     finally:
         engine.close()

@@ -1,0 +1,37 @@
+"""scripts/gpu_check.sh: `--cpu` runs every step of the GPU check on the CPU (so it never rots),
+and on a GPU machine a wheel missing from the folder stops it at once, naming the package."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_cpu_run_of_the_gpu_check_passes_every_part_and_reports_numbers(tmp_path):
+    out = tmp_path / "report.json"
+    done = subprocess.run(["bash", "scripts/gpu_check.sh", "--cpu", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    tests = report["tests"]["tests"]
+    assert len(tests) == 5 and {t["outcome"] for t in tests.values()} == {"passed"}
+    assert report["limits"]["gemm_float32_flops"] > 1e9
+    assert report["limits"]["copy_bytes_per_s"] > 1e8
+    assert 0 < report["decode"]["bandwidth_use"] < 1
+    recipe = report["recipe"]
+    assert recipe["passed"] and recipe["steps"] == 5 and recipe["trained_steps"] >= 1
+    assert 0 < recipe["training_mfu"] < 1 and recipe["seconds_per_step"] > 0
+    assert "recipe:" in done.stdout and "tests: 5/5 passed" in done.stdout
+
+
+def test_a_wheel_missing_from_the_folder_stops_the_check_naming_the_package(tmp_path):
+    (tmp_path / "tyro-1.0.17-py3-none-any.whl").touch()  # the first is there, the second not
+    done = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "GPU_WHEELS": str(tmp_path)})
+    assert done.returncode == 2
+    assert "no wheel of docstring-parser==0.18.0" in done.stderr and "gpu_wheels.sh" in done.stderr
