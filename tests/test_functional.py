@@ -332,3 +332,162 @@ def test_a_positive_entropy_coefficient_raises_the_policys_entropy(aggregation):
         (out.loss_sum / out.normalizer).backward()
         optimizer.step()
     assert masked_mean_entropy() > before + 0.1
+
+
+# -- defaults, boundaries and statistics (the holes mutation testing found, issue 43) -----------
+
+def test_the_defaults_leave_rewards_alone_and_gae_undiscounted():
+    rewards = torch.tensor([-50.0, 0.25, 1e6])
+    assert F.scale_rewards(rewards).tolist() == rewards.tolist()  # no scale, bias or clip
+    # no discount, no λ (distillation's per-token KL return relies on λ = 1): A_t is the sum of
+    # the rewards from t on minus V_t, R_t that sum
+    r = torch.tensor([[1.0, 2.0, 4.0, 0.0]])
+    v = torch.tensor([[0.5, 0.25, 0.125, 9.0]])
+    mask = torch.tensor([[True, True, True, False]])
+    adv, ret = F.gae(r, v, mask)
+    assert adv.tolist() == [[7.0 - 0.5, 6.0 - 0.25, 4.0 - 0.125, 0.0]]
+    assert ret.tolist() == [[7.0, 6.0, 4.0, 0.0]]
+    # DAPO's soft punishment reaches −1 at max_length and stays there by default
+    lengths = torch.tensor([10, 12, 14, 20])
+    assert F.overlong_penalty(lengths, max_length=14, cache=4).tolist() == [0.0, -0.5, -1.0, -1.0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_the_interpolated_proximal_logprob_keeps_the_logprobs_dtype(dtype):
+    behav = torch.tensor([[-1.0, -2.0, -0.5]], dtype=dtype)
+    current = torch.tensor([[-0.5, -1.0, -1.5]], dtype=dtype)
+    got = F.interpolate_proximal(behav, current, torch.tensor([[0, 1, 2]]), torch.tensor([2]),
+                                 torch.tensor([0.5]))
+    assert got.dtype == dtype
+    # version 2 is current (its behavior logprob); versions 0, 1 lie 2/2.5 and 1/1.5 of the way
+    expected = torch.tensor([[-1.0 + 0.8 * 0.5, -2.0 + (2 / 3) * 1.0, -0.5]], dtype=torch.float64)
+    rtol = 1e-2 if dtype == torch.bfloat16 else 1e-6
+    torch.testing.assert_close(got.double(), expected, rtol=rtol, atol=0)
+
+
+@pytest.mark.parametrize("mode", ["token_mask", "sequence_mask", "geometric_mask"])
+def test_a_ratio_exactly_at_an_end_of_the_band_is_inside_it(mode):
+    """The band is closed, [low, high]: r = low and r = high keep their token (and row); a ratio
+    just beyond either end drops it."""
+    _, drop = F.MISMATCH_CORRECTIONS[mode]
+    low, high = 0.5, 2.0
+    ratios = torch.tensor([[low], [high], [low * 0.999], [high * 1.001]], dtype=torch.float64)
+    known = torch.ones(4, 1, dtype=torch.bool)
+    dropped = drop(ratios.log(), known, (low, high))
+    assert dropped[:, 0].tolist() == [False, False, True, True]
+
+
+def test_the_entropy_and_kl_statistics_are_means_per_loss_token():
+    """stats["entropy"] and stats["kl_ref"] average over the loss tokens, even for one token."""
+    config = GRPOConfig(kl_coef=0.1, entropy_coef=0.01)
+    for mask in (torch.tensor([[False, True, False]]),
+                 torch.tensor([[True, True, False], [False, True, True]])):
+        g = torch.Generator().manual_seed(int(mask.sum()))
+        logp = -torch.rand(mask.shape, generator=g, dtype=torch.float64) * mask
+        ref = -torch.rand(mask.shape, generator=g, dtype=torch.float64) * mask
+        entropy = torch.rand(mask.shape, generator=g, dtype=torch.float64) * mask
+        mb = {"loss_mask": mask, "logprobs": logp, "prox_logprobs": logp, "ref_logprobs": ref,
+              "advantages": torch.zeros(mask.shape, dtype=torch.float64)}
+        out = F.actor_loss(ModelOutput(logprobs=logp, entropy=entropy), mb, config)
+        cells = [(float(logp[i, j]), float(ref[i, j]), float(entropy[i, j]))
+                 for i, j in mask.nonzero().tolist()]
+        # on policy (π_θ = π_prox = π_behav) the KL term's value is k3 = e^d − d − 1, d = log q/p
+        kl = [math.exp(q - p) - (q - p) - 1 for p, q, _ in cells]
+        assert out.stats["entropy"].item() == pytest.approx(statistics.fmean(e for *_, e in cells))
+        assert out.stats["kl_ref"].item() == pytest.approx(statistics.fmean(kl))
+
+
+def test_whiten_divides_by_the_std_plus_eps_even_for_a_tiny_spread():
+    values = torch.tensor([[0.0, 2e-8, 5.0]], dtype=torch.float64)
+    got = F.whiten(values, torch.tensor([[True, True, False]]))
+    # mean 1e-8, std 1e-8: ±1e-8 / (1e-8 + 1e-8)
+    torch.testing.assert_close(got, torch.tensor([[-0.5, 0.5, 0.0]], dtype=torch.float64))
+
+
+def test_the_policy_loss_uses_the_configured_clip_ranges_dual_clip_and_cap():
+    """Every option of `PolicyLossConfig` that shapes the surrogate reaches it, seen through the
+    per-token loss, its gradient and the stats: ε_low = 0.1, ε_high = 0.3 (not the default 0.2),
+    dual clip c = 3 and a behavior-weight cap of 1.5."""
+    ratio = torch.tensor([1.25, 1.35, 0.85, 5.0, 1.0], dtype=torch.float64)
+    adv = torch.tensor([1.0, 1.0, -1.0, -1.0, 2.0], dtype=torch.float64)
+    behav = torch.tensor([0.5, 1.0, 1.0, 1.0, 2.0], dtype=torch.float64).log()  # π_prox = 1
+    mask = torch.tensor([[True] * 5 + [False]])
+    pad = torch.tensor([[7.0]], dtype=torch.float64)
+    logp = torch.cat([ratio.log()[None], pad], 1).requires_grad_()
+    mb = {"loss_mask": mask, "logprobs": torch.cat([behav[None], pad], 1),
+          "prox_logprobs": torch.zeros(1, 6, dtype=torch.float64),
+          "advantages": torch.cat([adv[None], pad], 1)}
+    config = PolicyLossConfig(eps_clip=0.1, eps_clip_high=0.3, dual_clip=3.0,
+                              importance_weight_cap=1.5)
+    loss, stats = F.decoupled_policy_loss(logp, mb, config)
+    loss.sum().backward()
+    weight = [1.5, 1.0, 1.0, 1.0, 0.5]  # π_prox/π_behav = 2 capped at 1.5, 1, 1, 1, 0.5
+    # 1.25 ∈ [0.9, 1.3]: −ρA; 1.35 > 1.3 with A > 0 and 0.85 < 0.9 with A < 0: the clipped
+    # ratio, no gradient; ρ = 5 with A < 0: −ρA = 5 bounded by −cA = 3, no gradient; ρ = 1: −A
+    expected = [-1.5 * 1.25, -1.3, 0.9, 3.0, 0.5 * -2.0, 0.0]
+    torch.testing.assert_close(loss[0], torch.tensor(expected, dtype=torch.float64))
+    torch.testing.assert_close(logp.grad[0], torch.tensor([-1.5 * 1.25, 0, 0, 0, -1.0, 0],
+                                                          dtype=torch.float64))
+    assert stats["clip_fraction"].item() == pytest.approx(3 / 5)
+    assert stats["capped_fraction"].item() == pytest.approx(1 / 5)
+    assert stats["importance_weight_mean"].item() == pytest.approx(sum(weight) / 5)
+    assert stats["importance_weight_max"].item() == pytest.approx(1.5)
+    # approx_kl estimates KL(π_behav‖π_θ) as the mean of log π_behav − log π_θ
+    approx_kl = statistics.fmean(math.log(b / r) for b, r in
+                                 zip([0.5, 1, 1, 1, 2], ratio.tolist()))
+    assert stats["approx_kl"].item() == pytest.approx(approx_kl)
+
+
+def test_a_ratio_exactly_at_the_cap_is_not_counted_as_capped():
+    """w = cap exactly is left as it is: neither the behavior weight's `capped` nor the
+    mismatch stat `outside_cap_fraction` counts it; just above the cap both do."""
+    cap = 2.0
+    log_r = torch.tensor([[math.log(cap), math.log(cap) + 1e-6, 0.0]], dtype=torch.float64)
+    w, capped = F.importance_weight(log_r, torch.zeros_like(log_r), cap)
+    assert w.tolist() == [[cap, cap, 1.0]] and capped.tolist() == [[False, True, False]]
+    mb = {"loss_mask": torch.ones(1, 3, dtype=torch.bool), "logprobs": torch.zeros_like(log_r),
+          "prox_logprobs": log_r, "advantages": torch.zeros_like(log_r),
+          "versions": torch.ones(1, 3, dtype=torch.long), "policy_version": torch.tensor([1])}
+    config = PolicyLossConfig(mismatch_correction="tis", mismatch_cap=cap)
+    *_, stats = F.behavior_weight(log_r, mb, config)
+    assert stats["mismatch/outside_cap_fraction"].item() == pytest.approx(1 / 3)
+
+
+def test_an_empty_micro_batch_has_zero_mismatch_stats():
+    empty = torch.zeros(0, 4, dtype=torch.float64)
+    mb = {"loss_mask": torch.zeros(0, 4, dtype=torch.bool), "logprobs": empty,
+          "prox_logprobs": empty, "advantages": empty,
+          "versions": torch.zeros(0, 4, dtype=torch.long),
+          "policy_version": torch.zeros(0, dtype=torch.long)}
+    *_, stats = F.behavior_weight(empty, mb, PolicyLossConfig(mismatch_correction="tis"))
+    assert {k: float(v) for k, v in stats.items()} == dict.fromkeys(stats, 0.0)
+    assert "mismatch/abs_log_ratio_max" in stats
+
+
+def test_group_advantages_normalise_by_the_std_by_default():
+    rewards, groups = torch.tensor([0.0, 1.0, 3.0, 3.0]), torch.tensor([0, 0, 1, 1])
+    # mean 0.5, population std 0.5: ±1 (up to eps); a flat group gets 0
+    torch.testing.assert_close(F.group_advantages(rewards, groups),
+                               torch.tensor([-1.0, 1.0, 0.0, 0.0]), rtol=1e-5, atol=1e-5)
+
+
+def test_group_advantages_divide_by_the_std_plus_eps_even_for_a_tiny_spread():
+    # std 1e-6 = eps: ±1e-6 / (1e-6 + 1e-6)
+    got = F.group_advantages(torch.tensor([0.0, 2e-6]), torch.tensor([0, 0]))
+    torch.testing.assert_close(got, torch.tensor([-0.5, 0.5]), rtol=1e-3, atol=1e-3)
+
+
+def test_the_default_clip_range_is_0_2_on_both_sides():
+    ratio = torch.tensor([0.75, 0.85, 1.15, 1.25])
+    adv = torch.tensor([-1.0, -1.0, 1.0, 1.0])
+    loss, clipped = F.ppo_surrogate(ratio.log(), torch.zeros(4), adv)
+    assert clipped.tolist() == [True, False, False, True]
+    torch.testing.assert_close(loss, torch.tensor([0.8, 0.85, -1.15, -1.2]))
+
+
+def test_a_loss_exactly_at_the_dual_clip_bound_is_not_counted_as_clipped():
+    # A < 0: ρ = c = 4 leaves −ρA = −cA as it is; ρ just above is bounded and counted
+    logp = torch.tensor([math.log(4.0), math.log(4.0) + 1e-6], dtype=torch.float64)
+    loss, clipped = F.ppo_surrogate(logp, torch.zeros(2, dtype=torch.float64),
+                                    -torch.ones(2, dtype=torch.float64), dual_clip=4.0)
+    assert loss.tolist() == [4.0, 4.0] and clipped.tolist() == [False, True]
