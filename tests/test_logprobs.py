@@ -4,6 +4,7 @@ and parameter gradients (random tiny models, fp32)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -102,3 +103,86 @@ def test_no_entropy_is_computed_when_none_is_asked(tiny_model_dir):
     assert out.shape == (2 * 5,) and extra["entropy"] is None
     # the model's own head is back afterwards
     assert model(input_ids=ids).logits.shape == (2, 6, model.config.vocab_size)
+
+
+def two_rows():
+    """Rows of 3 and 2 tokens (right-padded to 4), with the loss mask set everywhere, padding
+    and position 0 included: only (0, 1), (0, 2) and (1, 1) have a log-prob to read."""
+    ids = torch.tensor([[5, 6, 3, 0], [2, 4, 0, 0]])
+    attention = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]], dtype=torch.bool)
+    layout = PackedRows.of(ids, attention)
+    return layout, LossPositions.of(layout, torch.ones(2, 4, dtype=torch.bool),
+                                    torch.tensor([0.5, 2.0]))
+
+
+def test_a_loss_mask_on_padding_or_position_0_reads_nothing():
+    _, where = two_rows()
+    assert list(zip(where.rows.tolist(), where.cols.tolist())) == [(0, 1), (0, 2), (1, 1)]
+    assert where.targets.tolist() == [6, 3, 4] and where.temperature.tolist() == [0.5, 0.5, 2.0]
+    # each is predicted by the packed hidden state of the token before it
+    assert where.states.tolist() == [0, 1, 3]
+
+
+@pytest.mark.parametrize("tokens_per_chunk", [1, 2])
+def test_a_head_with_a_bias_in_chunks_of_at_most_chunk_elements_logits(tokens_per_chunk,
+                                                                        monkeypatch):
+    """Any `nn.Linear` head (its bias included), each chunk at most CHUNK_ELEMENTS logits and
+    every position in exactly one chunk: the values of the plain full-vocabulary computation."""
+    vocab = 7
+    monkeypatch.setattr(logprobs, "CHUNK_ELEMENTS", tokens_per_chunk * vocab)
+    chunks = []
+
+    def recording(hidden, *args):
+        chunks.append(len(hidden))
+        return chunk(hidden, *args)
+
+    chunk = logprobs._chunk
+    monkeypatch.setattr(logprobs, "_chunk", recording)
+    torch.manual_seed(0)
+    head = torch.nn.Linear(4, vocab, bias=True)
+    torch.nn.init.normal_(head.bias, std=3.0)
+    layout, where = two_rows()
+    hidden = torch.randn(1, 5, 4)
+    token, entropy = logprobs.head_at_positions(head, hidden, where, "metric")
+    assert all(1 <= n <= tokens_per_chunk for n in chunks) and sum(chunks) == 3
+    with torch.no_grad():
+        logits = head(hidden[0])[[0, 1, 3]] / torch.tensor([[0.5], [0.5], [2.0]])
+    dist = torch.distributions.Categorical(logits=logits)
+    torch.testing.assert_close(token, dist.log_prob(torch.tensor([6, 3, 4])))
+    torch.testing.assert_close(entropy, dist.entropy())
+
+
+def test_scatter_keeps_the_values_dtype():
+    _, where = two_rows()
+    out = where.scatter(torch.tensor([0.25, -1.5, 3.0], dtype=torch.float64), torch.Size((2, 4)))
+    assert out.dtype == torch.float64
+    assert out.tolist() == [[0.0, 0.25, -1.5, 0.0], [0.0, 3.0, 0.0, 0.0]]
+
+
+@pytest.mark.parametrize("entropy_mode", ["none", "metric", "grad"])
+def test_no_loss_position_gives_empty_outputs_still_in_the_graph(entropy_mode):
+    layout, _ = two_rows()
+    where = LossPositions.of(layout, torch.zeros(2, 4, dtype=torch.bool), torch.ones(2))
+    head = torch.nn.Linear(4, 7)
+    hidden = torch.randn(1, 5, 4, requires_grad=True)
+    token, entropy = logprobs.head_at_positions(head, hidden, where, entropy_mode)
+    assert token.shape == (0,) and token.requires_grad  # FSDP's hooks need a graph to run
+    assert (entropy is None) == (entropy_mode == "none")
+    if entropy is not None:
+        assert entropy.shape == (0,) and entropy.requires_grad == (entropy_mode == "grad")
+    token.sum().backward()
+    assert hidden.grad is not None and not hidden.grad.any()
+
+
+def test_each_chunk_is_recomputed_in_backward_rather_than_kept(monkeypatch):
+    monkeypatch.setattr(logprobs, "CHUNK_ELEMENTS", 7)  # one position per chunk
+    calls = []
+    chunk = logprobs._chunk
+    monkeypatch.setattr(logprobs, "_chunk", lambda *args: calls.append(1) or chunk(*args))
+    layout, where = two_rows()
+    head = torch.nn.Linear(4, 7)
+    hidden = torch.randn(1, 5, 4, requires_grad=True)
+    token, _ = logprobs.head_at_positions(head, hidden, where, "none")
+    assert len(calls) == 3
+    token.sum().backward()
+    assert len(calls) == 6  # the backward pass ran each chunk again
