@@ -43,8 +43,13 @@ MODULES: dict[str, list[str]] = {
                                             "test_trains_three_steps_through_the_recipe_with_a_kl_penalty"],
     "areal_flow/rollout/scheduler.py": ["tests/test_scheduler.py",
                                         "tests/test_scheduler_properties.py"],
-    "areal_flow/runtime/checkpoint.py": ["tests/test_runtime_checkpoint.py"],
-    "areal_flow/run.py": ["tests/test_run_dir.py"],
+    "areal_flow/runtime/checkpoint.py": ["tests/test_runtime_checkpoint.py"] + [
+        # the LoRA paths (the rest of test_lora.py runs recipes and servers)
+        f"tests/test_lora.py::test_{name}" for name in (
+            "the_export_is_the_merged_model_and_a_peft_adapter",
+            "a_lora_checkpoint_holds_the_adapter_only_and_resumes_it")],
+    "areal_flow/run.py": ["tests/test_run_dir.py", "tests/test_runtime_checkpoint.py::test_a_run_"
+                          "folder_checkpoint_is_marked_whole_pruned_and_resumes_policy_and_critic"],
     "areal_flow/reward/runner.py": ["tests/test_reward_runner.py"],
     "areal_flow/inference/local.py": ["tests/test_local_engine.py"],
     "areal_flow/registry.py": ["tests/test_registry.py"],

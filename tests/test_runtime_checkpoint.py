@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+import attrs
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -58,6 +60,42 @@ def test_resume_gives_the_same_next_step_loss(world, tiny_model_dir, tmp_path):
     assert resumed.steps == 1
     assert [resumed.train(batch, algorithm)["loss"] for _ in range(2)] == pytest.approx(
         expected, rel=1e-6)
+
+
+@attrs.frozen
+class SamplerState:
+    position: int
+
+
+def test_resume_restores_the_lr_schedule_the_step_count_and_the_rng(world, tiny_model_dir,
+                                                                    tmp_path):
+    """Besides weights and optimizer moments: mid-warmup, the next steps' learning rates are the
+    straight run's, the step count goes on, random draws continue the same sequence, and the
+    recipe's extra state comes back whatever its type."""
+    def warming_up():
+        return TrainEngine(tiny_model_dir, TrainConfig(
+            optim=OptimizerConfig(lr=1e-2, warmup_steps=4), max_tokens_per_mb=200))
+
+    algorithm = TokenNLL()
+    straight = warming_up()
+    batch = fixed_batch(straight.model.config.vocab_size)
+    for _ in range(2):
+        straight.train(batch, algorithm)
+    # what a recipe keeps besides: any picklable object (a data order, a state class of its own)
+    extra = {"order": np.arange(5), "sampler": SamplerState(position=7)}
+    checkpoint.save_checkpoint(straight, tmp_path / "ckpt", extra_state=extra)
+    drawn = torch.rand(8)  # what the run draws next
+    lrs = [straight.train(batch, algorithm)["lr"] for _ in range(2)]
+
+    torch.manual_seed(1234)  # a new process starts from another RNG state
+    resumed = warming_up()
+    restored = checkpoint.load_checkpoint(resumed, tmp_path / "ckpt")
+    assert restored["sampler"] == SamplerState(position=7)
+    assert restored["order"].tolist() == [0, 1, 2, 3, 4]
+    assert resumed.steps == 2
+    assert torch.equal(torch.rand(8), drawn)
+    assert [resumed.train(batch, algorithm)["lr"] for _ in range(2)] == lrs
+    assert resumed.steps == 4
 
 
 def test_weight_sync_makes_the_local_engine_match_the_trainer(world, tiny_model_dir):
@@ -238,3 +276,41 @@ def test_weight_sync_through_a_folder(world, tiny_model_dir, tmp_path):
         assert all(torch.equal(pool.model.state_dict()[k], v) for k, v in expected.items())
     finally:
         pool.close()
+
+
+def test_a_run_folder_checkpoint_is_marked_whole_pruned_and_resumes_policy_and_critic(
+        world, tiny_model_dir, tmp_path):
+    """`RunDir.save_checkpoint` / `load_checkpoint` with real engines: the policy, the critic
+    (in critic/), the extra state and the save_pretrained model, marked complete with every
+    file in the manifest; the older checkpoint pruned; a resume restores both engines."""
+    import json
+
+    from areal_flow.run import COMPLETE, RunDir, checkpoint_damage
+
+    def critic_engine():
+        return TrainEngine(tiny_model_dir, TrainConfig(optim=OptimizerConfig(lr=1e-2),
+                                                       max_tokens_per_mb=200), value=True)
+
+    run = RunDir(tmp_path / "run", keep_checkpoints=1)
+    actor, critic = engine(tiny_model_dir), critic_engine()
+    first = run.save_checkpoint(1, actor, extra={"position": 1}, critic=critic)
+    assert run.has_checkpoint(1) and not run.has_checkpoint(2)
+    with torch.no_grad():  # a critic unlike a fresh one (whose head is zero)
+        dict(critic.model.named_parameters())["head.bias"].add_(1.0)
+    second = run.save_checkpoint(2, actor, extra={"position": 2}, critic=critic,
+                                 tokenizer_from=tiny_model_dir)
+    assert not first.exists()
+    manifest = json.loads((second / COMPLETE).read_text())
+    assert {"trainer_state.pt", "critic/trainer_state.pt", "hf/config.json",
+            "hf/tokenizer.json"} <= set(manifest)
+    assert checkpoint_damage(second) is None
+    with pytest.raises(RuntimeError, match="resume=True"):
+        run.load_checkpoint(actor)
+
+    resumed_actor, resumed_critic = engine(tiny_model_dir), critic_engine()
+    resumed = RunDir(tmp_path / "run", resume=True)
+    assert resumed.load_checkpoint(resumed_actor, critic=resumed_critic) == (2, {"position": 2})
+    for saved, loaded in ((actor, resumed_actor), (critic, resumed_critic)):
+        want, got = saved.full_state_dict(), loaded.full_state_dict()
+        assert want.keys() == got.keys()
+        assert all(torch.equal(want[k], got[k]) for k in want)
