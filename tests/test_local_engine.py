@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 from os.path import commonprefix
 
@@ -574,3 +575,36 @@ def test_sampled_tokens_follow_the_probabilities_and_stay_inside_the_truncation(
     expected[:2] = torch.softmax(logits[:2] / 0.5, -1)
     torch.testing.assert_close(top2, expected, atol=0.015, rtol=0)
     assert top2[2:].sum() == 0  # never a token outside the truncation
+
+
+def kept(logits, **sampling) -> int:
+    """How many tokens the sampler's truncation leaves possible for `logits`."""
+    from areal_flow.inference.local import truncate
+
+    out = truncate(torch.tensor([logits]), [SamplingParams(**sampling)])
+    return int(torch.isfinite(out).sum())
+
+
+def test_every_boundary_of_the_truncation():
+    """Four equally likely tokens (probabilities 1/4, exact in float): the boundaries of top-k,
+    top-p and min-p land exactly on a token."""
+    four = [0.0] * 4 + [-math.inf] * 2
+    # top-p as SGLang's sampler has it: a token is dropped only when the tokens ranked above it
+    # hold more than top_p; mass exactly top_p above it keeps it
+    assert [kept(four, top_p=p) for p in (0.2, 0.25, 0.3, 0.5, 0.75, 0.76, 1.0)] == \
+        [1, 2, 2, 3, 4, 4, 4]
+    assert [kept(four, top_k=k) for k in (1, 2, 3, 4, 5, -1)] == [1, 2, 3, 4, 4, 4]
+    # min-p: a probability equal to min_p times the top one's stays
+    assert [kept(four, min_p=m) for m in (0.0, 0.5, 1.0)] == [4, 4, 4]
+    assert kept([0.0, 0.0, -1.0, -5.0], min_p=0.3) == 3  # e^-1 ≈ 0.37 ≥ 0.3 > e^-5
+    # the most likely token always survives, and the options combine (the smallest set wins)
+    assert kept([0.0, -1.0, -2.0], top_p=1e-9) == 1
+    assert kept(four, top_k=3, top_p=0.3) == 2 and kept(four, top_k=2, top_p=0.75) == 2
+
+
+def test_only_rows_with_a_truncation_option_are_truncated():
+    from areal_flow.inference.local import _truncates
+
+    assert not _truncates(SamplingParams())
+    assert [_truncates(SamplingParams(**o)) for o in
+            ({"top_k": 1}, {"top_p": 0.99}, {"min_p": 0.01})] == [True, True, True]
