@@ -137,30 +137,17 @@ _converter.register_unstructure_hook(Allocation, str)
 _converter.register_structure_hook(Allocation, lambda text, _: Allocation.parse(text))
 
 
-def fast_bf16() -> bool:
-    """Whether bf16 compute pays here, for the recipes' precision defaults: on a CUDA GPU or a
-    CPU with AVX-512 it does (measured on a Xeon: decoding 1.6x, training 1.2x fp32's speed);
-    with AVX2 only torch emulates it (an EPYC decoded and trained ~6x slower than in fp32)."""
-    import torch  # here: importing the config must not import torch
-
-    return torch.cuda.is_available() or torch.cpu._is_avx512_supported()
-
-
-def default_precision() -> Literal["float32", "bfloat16"]:
-    """The recipes' default dtype on this machine (`fast_bf16`)."""
-    return "bfloat16" if fast_bf16() else "float32"
-
-
 @attrs.frozen(kw_only=True)
 class InferenceConfig:
     """Where rollouts are generated: the in-process local engine, or SGLang(-protocol) servers."""
 
     backend: str = "local"
     """A registered generation pool: local (in-process engine) or sglang (HTTP servers)."""
-    dtype: Literal["float32", "bfloat16"] = attrs.field(
-        factory=default_precision, validator=v.in_(("float32", "bfloat16")))
-    """Local engine weights' dtype; default bfloat16 where it is fast (a GPU, an AVX-512 CPU),
-    else float32. In the trainer's dtype (fp32 without FSDP) it shares the trainer's weights."""
+    dtype: Literal["auto", "float32", "bfloat16"] = attrs.field(
+        default="auto", validator=v.in_(("auto", "float32", "bfloat16")))
+    """Local engine (and launched servers') weights' dtype; auto measures which decodes faster
+    here for this model's shapes (bf16 on a GPU; `runtime/precision.py`). In the trainer's
+    dtype (fp32 without FSDP) it shares the trainer's weights."""
     max_batch_size: int = attrs.field(default=64, validator=v.ge(1))
     """Most sequences the local engine decodes at once."""
     threads: int | None = attrs.field(default=None, validator=v.optional(v.ge(1)))

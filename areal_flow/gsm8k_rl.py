@@ -27,7 +27,7 @@ from attrs import validators as v
 from areal_flow import registry
 from areal_flow.allocation import (Allocation, AllocationError, cli_arg, launch_command,
                                    refuse_replaced_flags, slurm_layout)
-from areal_flow.config import (InferenceConfig, OptimizerConfig, RolloutConfig, fast_bf16, load,
+from areal_flow.config import (InferenceConfig, OptimizerConfig, RolloutConfig, load,
                                structure)
 from areal_flow.algorithms.functional import flat_groups
 from areal_flow.algorithms.grpo import GRPOConfig
@@ -85,8 +85,8 @@ class RLConfig(RunConfig):
     sampling: SamplingParams = SamplingParams(max_new_tokens=128, temperature=1.0)
     # 512-token micro-batches: on a CPU as fast as one big one, with a fraction of its
     # activations (benchmarks/train_step.py); raise --train.max-tokens-per-mb on GPUs
-    train: TrainConfig = TrainConfig(optim=OptimizerConfig(lr=2e-5), bf16=fast_bf16(),
-                                     max_tokens_per_mb=512)
+    train: TrainConfig = TrainConfig(optim=OptimizerConfig(lr=2e-5),
+                                     max_tokens_per_mb=512, dtype="auto")
     inference: InferenceConfig = InferenceConfig()
     allocation: AllocationOption = None
     """Where everything runs: 'generation: 2 servers x tp 2, training: 4 ranks' (one node:
@@ -95,8 +95,8 @@ class RLConfig(RunConfig):
     dry_run: bool = False
     """Print where each process would run (--allocation) and how to start them; then exit,
     before any model or data is read."""
-    critic: TrainConfig = TrainConfig(optim=OptimizerConfig(lr=5e-5), bf16=fast_bf16(),
-                                      max_tokens_per_mb=512)
+    critic: TrainConfig = TrainConfig(optim=OptimizerConfig(lr=5e-5),
+                                      max_tokens_per_mb=512, dtype="auto")
     """The critic's training settings, for an algorithm with the critic role (ppo): a value
     head on the policy's backbone."""
     teacher: str | None = None

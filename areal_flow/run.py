@@ -104,8 +104,13 @@ class RunDir:
     def default_path(recipe: str) -> Path:
         return Path("runs") / f"{recipe}-{datetime.now():%Y%m%d-%H%M%S}"
 
-    def write_config(self, config: Any) -> None:
+    def write_config(self, config: Any, note: str = "") -> None:
+        """config.yaml; `note` (what was measured at start, say) heads it as comments."""
         dump(config, self.path / "config.yaml")
+        if note:
+            text = (self.path / "config.yaml").read_text()
+            comments = "".join(f"# {line}\n" for line in note.splitlines())
+            (self.path / "config.yaml").write_text(comments + text)
 
     def start_loggers(self, names: Iterable[str], config: Any, step: int) -> None:
         """Open the named trackers (`registry.loggers`) at `step`; `log_metrics` feeds them."""

@@ -29,7 +29,7 @@ import attrs
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from areal_flow.config import default_precision, fast_bf16
+from areal_flow.runtime.precision import choose
 from areal_flow.inference.local import LocalEngine
 from areal_flow.testing.tiny_model import build_tiny_model
 from areal_flow.types import GenerationRequest, SamplingParams
@@ -134,12 +134,14 @@ def run(quick: bool = False) -> dict:
         for i, q in enumerate(prompts) for j in range(g)]
     sampled = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
     rows, grpo_rows = [], []
-    # bf16 only where it is fast: emulated (AVX2-only CPUs) it is ~6x slower and says nothing
-    dtypes, precision = ("float32", "bfloat16") if fast_bf16() else ("float32",), default_precision()
     with tempfile.TemporaryDirectory() as tmp:
         models = {"tiny": in_own_thread(build_tiny_model, Path(tmp) / "tiny")}
         if not quick:
             models["smollm2-135m-shape"] = in_own_thread(smollm2_sized, Path(tmp) / "smol")
+        # bf16 only where it is fast (measured at the 135M shape, as a run measures its model):
+        # emulated (AVX2-only CPUs) it is ~6x slower and says nothing
+        precision = choose("auto", models[max(models)], purpose="decode").dtype
+        dtypes = ("float32", "bfloat16") if precision == "bfloat16" else ("float32",)
         for model_name, path in models.items():
             repeats = 5 if model_name == "tiny" else 1  # tiny runs last ~0.1 s: take a median
             for dtype in dtypes:

@@ -95,7 +95,7 @@ def areal_flow_worker(p: dict, eta: int) -> dict:
     engine = LocalEngine.from_config(
         InferenceConfig(dtype="float32", max_batch_size=64, threads=p.get("engine_threads")),
         model=p["model"], seed=p["seed"])
-    trainer = TrainEngine(p["model"], TrainConfig(optim=OptimizerConfig(lr=p["lr"]), bf16=False))
+    trainer = TrainEngine(p["model"], TrainConfig(optim=OptimizerConfig(lr=p["lr"]), dtype="float32"))
     # one optimizer step per batch: the version-based proximal logprobs are exact (the recipe's
     # choice), so no forward pass recomputes them; TRL skips that forward in this setting too
     algorithm = GRPO(GRPOConfig(loss=PolicyLossConfig(recompute_proximal=False)))

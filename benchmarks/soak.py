@@ -78,7 +78,7 @@ def recipe_args(model: Path, data: Path, run_dir: Path, addresses: Path, steps: 
             "--rollout.batch-size", "4", "--rollout.group-size", "4",
             "--rollout.max-staleness", "0", "--sampling.max-new-tokens", "48",
             "--samples-per-step", "16", "--reward", "tests.rewards_for_tests:text_hash",
-            "--inference.dtype", "float32", "--train.no-bf16", "--train.optim.lr", "1e-3"]
+            "--inference.dtype", "float32", "--train.dtype", "float32", "--train.optim.lr", "1e-3"]
 
 
 def run(out: Path, model: Path, data: Path, *, minutes: float | None, steps: int,

@@ -124,7 +124,7 @@ def recipe_command(p: dict, run_dir: Path) -> list[str]:
         "--sampling.max-new-tokens", str(p["max_new_tokens"]), "--sampling.temperature", "1.0",
         "--train.optim.lr", str(p["lr"]), "--train.optim.warmup-steps", "0",
         "--train.optim.weight-decay", "0", "--train.optim.max-grad-norm", "1.0",
-        "--train.no-bf16", "--inference.dtype", "float32", "--algorithm.kl-coef", "0",
+        "--train.dtype", "float32", "--inference.dtype", "float32", "--algorithm.kl-coef", "0",
         "--algorithm.loss.aggregation", "token", "--algorithm.loss.eps-clip", "0.2"]
 
 

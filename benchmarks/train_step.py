@@ -5,7 +5,7 @@ A batch of 2 prompts x 8 completions (prompts of 200 tokens, completions of 32 t
 loss on the completions only; one of the two groups flat, as early GSM8K batches mostly are), one
 optimizer
 step of `TrainEngine.train` with GRPO, in the recipe's precision on this machine
-(`config.default_precision`). Each configuration runs in a process of its own, so its peak resident
+(`runtime/precision.py`, measured). Each configuration runs in a process of its own, so its peak resident
 memory is its own:
   before           the LM head and an fp32 log-softmax over the whole vocabulary at every
                    position (entropy everywhere), every row, foreach AdamW, glibc's default
@@ -105,7 +105,7 @@ def one(model: str, name: str, steps: int) -> dict:
     import resource
 
     from areal_flow.algorithms.grpo import GRPO, GRPOConfig
-    from areal_flow.config import OptimizerConfig, PolicyLossConfig, default_precision
+    from areal_flow.config import OptimizerConfig, PolicyLossConfig
     from areal_flow.runtime import engine as engine_module
     from areal_flow.runtime.distributed import shutdown_distributed
     from areal_flow.runtime.engine import TrainConfig, TrainEngine
@@ -128,7 +128,7 @@ def one(model: str, name: str, steps: int) -> dict:
     if "freed memory" not in on:
         engine_module._return_freed_memory = lambda: None
     engine = (TrainEngine if "loss positions" in on else FullHead)(model, TrainConfig(
-        optim=OptimizerConfig(lr=1e-6), bf16=default_precision() == "bfloat16",
+        optim=OptimizerConfig(lr=1e-6), dtype="auto",
         max_tokens_per_mb=512 if "512-token mb" in on else 8192,
         activation_checkpointing="act. ckpt" in on))
     if "fused AdamW" not in on:
@@ -163,10 +163,8 @@ def run(quick: bool = False) -> dict:
                                       "5" if model == "tiny" else "1"],
                                      capture_output=True, text=True, check=True)
                 rows.append({"model": model, **json.loads(out.stdout.splitlines()[-1])})
-    from areal_flow.config import default_precision
-
     return {"benchmark": "train_step", "rows": rows, "torch_threads": torch.get_num_threads(),
-            "precision": default_precision()}
+            "precision": "measured per model (runtime/precision.py)"}
 
 
 def show(result: dict) -> None:

@@ -19,7 +19,8 @@ from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ holds the fixed batch
 
-from areal_flow.config import OptimizerConfig, fast_bf16  # noqa: E402
+from areal_flow.config import OptimizerConfig  # noqa: E402
+from areal_flow.runtime.precision import choose  # noqa: E402
 from areal_flow.runtime.distributed import shutdown_distributed  # noqa: E402
 from areal_flow.runtime.engine import TrainConfig, TrainEngine  # noqa: E402
 from areal_flow.testing.tiny_model import build_tiny_model  # noqa: E402
@@ -41,7 +42,8 @@ def matmul_peak(dtype: torch.dtype, n: int = 1024, repeats: int = 10) -> float:
 
 
 def engine_tokens_per_s(path: Path, bf16: bool, steps: int) -> float:
-    engine = TrainEngine(path, TrainConfig(optim=OptimizerConfig(lr=1e-5), bf16=bf16,
+    engine = TrainEngine(path, TrainConfig(optim=OptimizerConfig(lr=1e-5),
+                                           dtype="bfloat16" if bf16 else "float32",
                                            max_tokens_per_mb=4096))
     batch = fixed_batch(engine.model.config.vocab_size)
     tokens = int(batch["attention_mask"].sum())
@@ -86,8 +88,9 @@ def run(quick: bool = False) -> dict:
         for name, path in models.items():
             params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(path).parameters())
             steps = 10 if name == "tiny" else 2
-            # bf16 only where it is fast: emulated (AVX2-only CPUs) it is ~6x slower
-            for precision, bf16 in (("fp32", False), ("bf16", True))[:2 if fast_bf16() else 1]:
+            # bf16 only where it is fast (measured): emulated (AVX2-only CPUs) it is ~6x slower
+            fast = choose("auto", path, purpose="train").dtype == "bfloat16"
+            for precision, bf16 in (("fp32", False), ("bf16", True))[:2 if fast else 1]:
                 ours = engine_tokens_per_s(path, bf16, steps)
                 plain = plain_tokens_per_s(path, bf16, steps)
                 rows.append({"model": name, "precision": precision, "params": params,

@@ -27,12 +27,13 @@ from attrs import validators as v
 from transformers import AutoTokenizer
 
 from areal_flow.algorithms.dpo import DPO, DPOConfig, partners, sequence_logratio
-from areal_flow.config import OptimizerConfig, fast_bf16
+from areal_flow.config import OptimizerConfig
 from areal_flow.data import offline
 from areal_flow.data.preference import collate_pairs, gsm8k_format_pairs, pair_from_row
 from areal_flow.run import LiveDisplay, RunConfig, RunDir, StopRequest, peak_rss_gb
 from areal_flow.runtime.distributed import (any_rank, exit_process, init_distributed,
                                             same_on_all_ranks, shutdown_distributed)
+from areal_flow.runtime import precision
 from areal_flow.runtime.engine import TrainConfig, TrainEngine
 from gsm8k_sft import batch_indices  # the script's folder is on sys.path
 
@@ -57,8 +58,8 @@ class Config(RunConfig):
     rejected_field: str = "rejected"
     """Dataset field with the dispreferred response."""
     algorithm: DPOConfig = DPOConfig()
-    train: TrainConfig = TrainConfig(optim=OptimizerConfig(lr=1e-5), bf16=fast_bf16(),
-                                     max_tokens_per_mb=512)  # see gsm8k_rl.RLConfig.train
+    train: TrainConfig = TrainConfig(optim=OptimizerConfig(lr=1e-5), max_tokens_per_mb=512,
+                                     dtype="auto")  # see gsm8k_rl.RLConfig.train
 
 
 def main(cfg: Config) -> None:
@@ -77,6 +78,7 @@ def main(cfg: Config) -> None:
     trainer = TrainEngine(model, cfg.train)
     ref = trainer.reference(model)  # the initial weights, also on resume (LoRA: its base)
     start, _ = run.load_checkpoint(trainer) if cfg.resume else (0, None)
+    cfg, measured = precision.measured(cfg, model, ("train", trainer))
     # the reference never changes: its held-out log-probs are computed once
     eval_ref = ref.forward(eval_batch)["logprobs"] if eval_batch is not None else None
 
@@ -88,7 +90,7 @@ def main(cfg: Config) -> None:
         run.truncate_after(start)
         display.print(f"[bold]dpo[/] run folder {run.path} · model {model} · "
                       f"{world} training rank(s)\n{data_note}")
-        run.write_config(cfg)
+        run.write_config(cfg, measured)
         run.start_loggers(cfg.logger, cfg, start)
 
     try:

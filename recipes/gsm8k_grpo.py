@@ -32,6 +32,7 @@ from areal_flow.rollout.scheduler import RolloutScheduler
 from areal_flow.run import LiveDisplay, RunDir, StopRequest
 from areal_flow.runtime.distributed import (any_rank, exit_process, init_distributed,
                                             same_on_all_ranks, shutdown_distributed)
+from areal_flow.runtime import precision
 from areal_flow.runtime.engine import TrainEngine
 
 
@@ -66,6 +67,9 @@ def main(cfg: Config) -> None:
     teacher = TrainEngine(cfg.teacher, cfg.train, trainable=False) \
         if "teacher" in algorithm.roles else None  # --teacher, checked in load_data
     start, extra = run.load_checkpoint(trainer, critic=critic) if cfg.resume else (0, None)
+    cfg, measured = precision.measured(cfg, model, ("train", trainer),
+                                                ("critic", critic),
+                                                in_process=pool_class.in_process)
 
     pool = scheduler = rewards = None
     display = LiveDisplay(cfg.steps, start, enabled=rank == 0, columns={
@@ -80,7 +84,7 @@ def main(cfg: Config) -> None:
         run.truncate_after(start)
         display.print(f"[bold]{gsm8k_rl.run_name(cfg)}[/] run folder {run.path} · model {model} · "
                       f"{world} training rank(s)\n{data_note}")
-        run.write_config(cfg)
+        run.write_config(cfg, measured)
         run.start_loggers(cfg.logger, cfg, start)
         pool = pool_class.from_config(cfg.inference, model=model, seed=cfg.seed,
                                       run_dir=run.path,

@@ -25,12 +25,13 @@ from attrs import validators as v
 from transformers import AutoTokenizer
 
 from areal_flow.algorithms.sft import SFT, SFTConfig
-from areal_flow.config import OptimizerConfig, fast_bf16
+from areal_flow.config import OptimizerConfig
 from areal_flow.data import offline
 from areal_flow.data.sft import collate_sft
 from areal_flow.run import LiveDisplay, RunConfig, RunDir, StopRequest, peak_rss_gb
 from areal_flow.runtime.distributed import (any_rank, exit_process, init_distributed,
                                             same_on_all_ranks, shutdown_distributed)
+from areal_flow.runtime import precision
 from areal_flow.runtime.engine import TrainConfig, TrainEngine
 
 
@@ -45,8 +46,8 @@ class Config(RunConfig):
     answer_field: str = "answer"
     """Dataset field with the assistant's turn (the target)."""
     algorithm: SFTConfig = SFTConfig()
-    train: TrainConfig = TrainConfig(optim=OptimizerConfig(lr=1e-5), bf16=fast_bf16(),
-                                     max_tokens_per_mb=512)  # see gsm8k_rl.RLConfig.train
+    train: TrainConfig = TrainConfig(optim=OptimizerConfig(lr=1e-5), max_tokens_per_mb=512,
+                                     dtype="auto")  # see gsm8k_rl.RLConfig.train
 
 
 def main(cfg: Config) -> None:
@@ -64,6 +65,7 @@ def main(cfg: Config) -> None:
     algorithm = SFT(cfg.algorithm)
     trainer = TrainEngine(model, cfg.train)
     start, _ = run.load_checkpoint(trainer) if cfg.resume else (0, None)
+    cfg, measured = precision.measured(cfg, model, ("train", trainer))
 
     display = LiveDisplay(cfg.steps, start, enabled=rank == 0, columns={
         "nll": "nll", "eval/nll": "eval nll", "grad_norm": "grad norm",
@@ -72,7 +74,7 @@ def main(cfg: Config) -> None:
         run.truncate_after(start)
         display.print(f"[bold]gsm8k_sft[/] run folder {run.path} · model {model} · "
                       f"{world} training rank(s)\n{data_note}")
-        run.write_config(cfg)
+        run.write_config(cfg, measured)
         run.start_loggers(cfg.logger, cfg, start)
 
     try:

@@ -172,10 +172,10 @@ def recipe(device: str, model: Path, params: int, peak: float, steps: int,
                                         "answer": f"{a} + {b} = {a + b}\n#### {a + b}"}) + "\n"
                             for a in range(10) for b in range(10)))
     shape = (["--rollout.batch-size", "4", "--rollout.group-size", "8",
-              "--sampling.max-new-tokens", "128", "--train.bf16", "--inference.dtype",
+              "--sampling.max-new-tokens", "128", "--train.dtype", "bfloat16", "--inference.dtype",
               "bfloat16"] if device == "cuda" else
              ["--rollout.batch-size", "2", "--rollout.group-size", "4",
-              "--sampling.max-new-tokens", "16", "--train.no-bf16", "--inference.dtype",
+              "--sampling.max-new-tokens", "16", "--train.dtype", "float32", "--inference.dtype",
               "float32"])
     run_dir = folder / "run"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(

@@ -32,7 +32,7 @@ def test_the_agent_trains_through_the_recipe(way, tiny_model_dir, gsm8k_file, tm
         "--model", str(tiny_model_dir), "--dataset", str(gsm8k_file), "--run-dir", str(run_dir),
         "--workflow", f"train_calculator_agent:{way}", "--steps", "2", "--eval-size", "2",
         "--eval-every", "2", "--rollout.batch-size", "2", "--rollout.group-size", "2",
-        "--sampling.max-new-tokens", "8", "--inference.dtype", "float32", "--train.no-bf16",
+        "--sampling.max-new-tokens", "8", "--inference.dtype", "float32", "--train.dtype", "float32",
         "--samples-per-step", "4"], paths=(EXAMPLE,))
     trained = [m for m in metrics(run_dir) if m["step"] > 0]
     assert [m["step"] for m in trained] == [1, 2] and "eval/reward" in trained[-1]

@@ -480,7 +480,7 @@ def test_a_cpu_allocation_runs_the_recipe(tiny_model_dir, gsm8k_file, tmp_path):
     result = recipe("--model", str(tiny_model_dir), "--dataset", str(gsm8k_file), "--run-dir",
                     str(run), "--steps", "1", "--eval-size", "2", "--rollout.batch-size", "2",
                     "--rollout.group-size", "2", "--sampling.max-new-tokens", "8",
-                    "--inference.dtype", "float32", "--train.no-bf16",
+                    "--inference.dtype", "float32", "--train.dtype", "float32",
                     "--allocation", "generation: 2 servers, training: 1 rank on cpu",
                     timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

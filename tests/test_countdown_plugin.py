@@ -417,7 +417,7 @@ def tiny_run(model: Path, rows: Path, run_dir: Path, *extra: str) -> list[str]:
     return ["--model", str(model), "--dataset", str(rows), "--run-dir", str(run_dir),
             "--steps", "2", "--eval-size", "4", "--eval-every", "2", "--rollout.batch-size", "2",
             "--rollout.group-size", "2", "--sampling.max-new-tokens", "8",
-            "--inference.dtype", "float32", "--train.no-bf16", "--train.optim.lr", "1e-3",
+            "--inference.dtype", "float32", "--train.dtype", "float32", "--train.optim.lr", "1e-3",
             "--algorithm", "countdown.loo", "--algorithm.clip-eps", "0.3", *extra]
 
 

@@ -280,7 +280,7 @@ def recipe_args(student: Path, data: Path, run_dir: Path, *extra: str) -> list[s
     return ["--model", str(student), "--dataset", str(data), "--run-dir", str(run_dir),
             "--eval-size", "0", "--rollout.batch-size", "2", "--rollout.group-size", "2",
             "--sampling.max-new-tokens", "16", "--inference.dtype", "float32",
-            "--train.no-bf16", "--train.optim.lr", "1e-3", *extra]
+            "--train.dtype", "float32", "--train.optim.lr", "1e-3", *extra]
 
 
 @pytest.fixture(scope="module")

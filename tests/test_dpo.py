@@ -289,7 +289,7 @@ def dpo_args(model: Path, data: Path, run_dir: Path, *extra: str) -> list[str]:
     # a micro-batch budget of about two rows: most pairs are split between micro-batches
     return ["--model", str(model), "--dataset", str(data), "--run-dir", str(run_dir),
             "--steps", "6", "--eval-size", "4", "--eval-every", "3", "--save-every", "3",
-            "--batch-size", "4", "--train.no-bf16", "--train.optim.lr", "1e-2",
+            "--batch-size", "4", "--train.dtype", "float32", "--train.optim.lr", "1e-2",
             "--train.max-tokens-per-mb", "90", *extra]
 
 

@@ -55,7 +55,7 @@ def test_a_server_joins_and_another_dies_mid_run_and_no_group_is_lost(tiny_model
              "--rollout.group-size", "2", "--sampling.max-new-tokens", "32",
              "--rollout.max-staleness", "1", "--reward",
              "tests.rewards_for_tests:completion_length", "--inference.dtype", "float32",
-             "--train.no-bf16", "--inference.backend", "sglang", "--inference.addresses-file",
+             "--train.dtype", "float32", "--inference.backend", "sglang", "--inference.addresses-file",
              str(listing), "--inference.lease-dir", str(tmp_path / "leases")],
             cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

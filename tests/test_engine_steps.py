@@ -196,7 +196,7 @@ def test_every_algorithm_trains_a_step_whose_advantages_are_all_zero(world, tiny
 
     spec = algorithms.spec(name)
     algorithm = spec.cls(spec.config() if spec.config else None)
-    config = TrainConfig(bf16=bf16)
+    config = TrainConfig(dtype="bfloat16" if bf16 else "float32")
     torch.manual_seed(0)
     actor = TrainEngine(tiny_model_dir, config)
     roles = {role: ROLE_MODELS[role](actor, tiny_model_dir, config)

@@ -189,7 +189,7 @@ def test_the_guess_game_trains_through_the_generic_recipe(tiny_model_dir, tmp_pa
         "--model", str(tiny_model_dir), "--dataset", str(rows), "--run-dir", str(run),
         "--steps", "2", "--eval-size", "0", "--rollout.batch-size", "2",
         "--rollout.group-size", "2", "--sampling.max-new-tokens", "8", "--inference.dtype",
-        "float32", "--train.no-bf16", "--train.optim.lr", "1e-3", "--workflow", "env",
+        "float32", "--train.dtype", "float32", "--train.optim.lr", "1e-3", "--workflow", "env",
         "--workflow-config", json.dumps(config)])
     steps = [line for line in result.stdout.splitlines() if line.startswith("step ")]
     assert len(steps) == 2 and all(" env_return " in line for line in steps)

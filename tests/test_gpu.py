@@ -70,7 +70,7 @@ def test_a_bf16_fsdp2_step_trains_on_the_device(world, tiny_model_dir):
     from tests.dist_train_script import TokenNLL, fixed_batch
 
     torch.manual_seed(0)
-    engine = TrainEngine(tiny_model_dir, TrainConfig(optim=OptimizerConfig(lr=1e-2), bf16=True))
+    engine = TrainEngine(tiny_model_dir, TrainConfig(optim=OptimizerConfig(lr=1e-2), dtype="bfloat16"))
     params = list(engine.model.parameters())
     assert all(isinstance(p, DTensor) and p.device.type == torch.device(DEVICE).type
                for p in params)

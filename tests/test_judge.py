@@ -233,7 +233,7 @@ def test_a_workflow_judged_by_the_policy_trains_on_the_tiny_model(tiny_model_dir
         "--model", str(tiny_model_dir), "--dataset", str(gsm8k_file), "--run-dir", str(run_dir),
         "--steps", "2", "--eval-size", "0", "--rollout.batch-size", "2",
         "--rollout.group-size", "2", "--sampling.max-new-tokens", "8",
-        "--inference.dtype", "float32", "--train.no-bf16", "--samples-per-step", "4",
+        "--inference.dtype", "float32", "--train.dtype", "float32", "--samples-per-step", "4",
         "--workflow", "tests.workflows_for_tests:judged"])
     trained = [m for m in metrics(run_dir) if m["step"] > 0]
     assert [m["step"] for m in trained] == [1, 2]

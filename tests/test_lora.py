@@ -302,7 +302,7 @@ def test_the_recipe_trains_lora_and_syncs_only_the_adapter(tiny_model_dir, gsm8k
     # makes the base model the reference role (the policy with its adapter off)
     extra = ["--inference.backend", "sglang", "--inference.server-program", "areal-flow",
              "--inference.server-gpus", "0"] if backend == "sglang" else [
-        "--train.no-bf16", "--algorithm.kl-coef", "0.05"]
+        "--train.dtype", "float32", "--algorithm.kl-coef", "0.05"]
     run_recipe("gsm8k_grpo.py", lora_args(tiny_model_dir, gsm8k_file, tmp_path / "run", *extra),
                timeout=400)
     steps = [m for m in metrics(tmp_path / "run") if m["step"] > 0]

@@ -122,7 +122,7 @@ def greedy_args(model, data, run_dir, lease_dir, *extra):
             "--steps", "1", "--eval-size", "4", "--rollout.batch-size", "2",
             "--rollout.group-size", "2", "--sampling.max-new-tokens", "8",
             "--sampling.temperature", "0", "--rollout.max-staleness", "0",
-            "--inference.dtype", "float32", "--train.no-bf16",
+            "--inference.dtype", "float32", "--train.dtype", "float32",
             "--inference.lease-dir", str(lease_dir), *extra]
 
 

@@ -140,7 +140,7 @@ def test_trains_three_steps_through_the_recipe_with_a_kl_penalty(
         "--model", str(tiny_model_dir), "--dataset", str(gsm8k_file), "--run-dir", str(run_dir),
         "--steps", "3", "--eval-size", "0", "--rollout.batch-size", "2",
         "--rollout.group-size", "2", "--sampling.max-new-tokens", "8",
-        "--inference.dtype", "float32", "--train.no-bf16", "--train.optim.lr", "1e-3",
+        "--inference.dtype", "float32", "--train.dtype", "float32", "--train.optim.lr", "1e-3",
         "--algorithm", "reinforce_pp", "--algorithm.kl-coef", "0.05",
         "--algorithm.baseline", "group_mean",
         "--reward", "tests.rewards_for_tests:completion_length"])

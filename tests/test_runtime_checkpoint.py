@@ -245,7 +245,7 @@ def test_bf16_and_activation_checkpointing_train(world, tiny_model_dir):
     base = TrainEngine(tiny_model_dir, TrainConfig(max_tokens_per_mb=400))
     checkpointed = TrainEngine(tiny_model_dir, TrainConfig(max_tokens_per_mb=400,
                                                            activation_checkpointing=True))
-    bf16 = TrainEngine(tiny_model_dir, TrainConfig(max_tokens_per_mb=400, bf16=True))
+    bf16 = TrainEngine(tiny_model_dir, TrainConfig(max_tokens_per_mb=400, dtype="bfloat16"))
     batch = fixed_batch(base.model.config.vocab_size)
     calls = {}
     for e in (base, checkpointed):  # a layer's MLP runs twice with recomputation

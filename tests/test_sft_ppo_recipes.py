@@ -14,7 +14,7 @@ from tests.helpers import assert_finite, metrics, run_recipe
 def sft_args(model: Path, data: Path, run_dir: Path, *extra: str) -> list[str]:
     return ["--model", str(model), "--dataset", str(data), "--run-dir", str(run_dir),
             "--steps", "16", "--eval-size", "4", "--eval-every", "4", "--save-every", "4",
-            "--batch-size", "4", "--train.no-bf16", "--train.optim.lr", "1e-2", *extra]
+            "--batch-size", "4", "--train.dtype", "float32", "--train.optim.lr", "1e-2", *extra]
 
 
 def ppo_args(model: Path, data: Path, run_dir: Path, *extra: str) -> list[str]:
@@ -23,8 +23,8 @@ def ppo_args(model: Path, data: Path, run_dir: Path, *extra: str) -> list[str]:
             "--steps", "12", "--eval-size", "0", "--save-every", "6",
             "--reward", "tests.rewards_for_tests:completion_length",
             "--rollout.batch-size", "8", "--sampling.max-new-tokens", "8",
-            "--inference.dtype", "float32", "--train.no-bf16", "--train.optim.lr", "1e-3",
-            "--critic.no-bf16", "--critic.optim.lr", "1e-2", *extra]
+            "--inference.dtype", "float32", "--train.dtype", "float32", "--train.optim.lr", "1e-3",
+            "--critic.dtype", "float32", "--critic.optim.lr", "1e-2", *extra]
 
 
 def test_sft_lowers_heldout_nll_logs_to_tensorboard_and_keeps_the_newest_checkpoint(

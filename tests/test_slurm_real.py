@@ -89,7 +89,7 @@ def write_job(folder: Path, model: Path, data: Path, run_dir: Path, *recipe_args
          str(free_port()), "--out", str(script), "--",
          "--dataset", str(data), "--run-dir", str(run_dir), "--eval-size", "4",
          "--save-every", "1", "--rollout.batch-size", "2", "--rollout.group-size", "2",
-         "--sampling.max-new-tokens", "8", "--inference.dtype", "float32", "--train.no-bf16",
+         "--sampling.max-new-tokens", "8", "--inference.dtype", "float32", "--train.dtype", "float32",
          *recipe_args],
         check=True, env=ENV, capture_output=True, text=True, timeout=120)
     return script

@@ -115,7 +115,7 @@ def test_the_recipe_trains_a_verifiers_environment(tiny_model_dir, tmp_path):
         "--model", str(tiny_model_dir), "--dataset", str(rows), "--run-dir", str(run_dir),
         "--steps", "2", "--eval-size", "4", "--eval-every", "2", "--rollout.batch-size", "2",
         "--rollout.group-size", "2", "--sampling.max-new-tokens", "8",
-        "--inference.dtype", "float32", "--train.no-bf16", "--train.optim.lr", "1e-3"],
+        "--inference.dtype", "float32", "--train.dtype", "float32", "--train.optim.lr", "1e-3"],
         paths=(ENVS,))
     steps = [line for line in result.stdout.splitlines() if line.startswith("step ")]
     assert len(steps) == 2 and all(" chars " in line for line in steps), steps

@@ -35,6 +35,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from areal_flow.lora import add_adapters, is_adapter, load_adapter, same_shape
 from areal_flow.types import Completion, FinishReason, GenerationRequest, WeightUpdate
+from areal_flow.runtime.precision import CHOICES, choose
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -87,7 +88,8 @@ class LocalEngine:
 
     Args:
         model: a `save_pretrained` folder (or hub id when online).
-        dtype: weights' dtype; bfloat16 decodes about 2x faster on CPUs with bf16 support.
+        dtype: weights' dtype, or "auto": the one that decodes this model's shapes faster here
+            (bf16 on a GPU; `runtime/precision.py`), in `precision`.
         device: torch device, or ``"auto"`` (CUDA when available, else CPU).
         max_batch_size: most sequences decoded together; more requests wait in a queue.
         seed: seeds the sampling of requests that do not carry their own seed.
@@ -101,7 +103,7 @@ class LocalEngine:
         self,
         model: str | Path,
         *,
-        dtype: Literal["float32", "bfloat16"] = "float32",
+        dtype: Literal["auto", "float32", "bfloat16"] = "float32",
         device: str = "cpu",
         max_batch_size: int = 64,
         seed: int = 0,
@@ -109,8 +111,8 @@ class LocalEngine:
         share_prefix: bool = True,
         threads: int | None = None,
     ):
-        if dtype not in DTYPES:
-            raise ValueError(f"'dtype' must be one of {sorted(DTYPES)}: {dtype!r}")
+        if dtype not in CHOICES:
+            raise ValueError(f"'dtype' must be one of {', '.join(CHOICES)}: {dtype!r}")
         if max_batch_size < 1:
             raise ValueError(f"'max_batch_size' must be >= 1: {max_batch_size}")
         if threads is not None and threads < 1:
@@ -118,9 +120,10 @@ class LocalEngine:
         self.threads = threads
         self.model_path = str(model)
         self.device = resolve_device(device)
+        self.precision = choose(dtype, self.model_path, purpose="decode", device=self.device)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.model = AutoModelForCausalLM.from_pretrained(
-            self.model_path, dtype=DTYPES[dtype], attn_implementation="sdpa"
+            self.model_path, dtype=DTYPES[self.precision.dtype], attn_implementation="sdpa"
         ).to(self.device).eval()
         self.max_batch_size = max_batch_size
         self.share_prefix = share_prefix

@@ -19,7 +19,7 @@ import math
 import warnings
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 import torch
@@ -31,10 +31,12 @@ from transformers import AutoModel, AutoModelForCausalLM, get_constant_schedule_
 
 from areal_flow.config import OptimizerConfig
 from areal_flow.lora import LoraConfig, add_adapters, is_adapter
-from areal_flow.runtime.distributed import init_distributed, on_rank0, scatter_groups
+from areal_flow.runtime.distributed import (init_distributed, on_rank0, same_on_all_ranks,
+                                            scatter_groups)
 from areal_flow.runtime.layout import PackedRows
 from areal_flow.runtime.logprobs import EntropyMode, LossPositions, loss_position_head
 from areal_flow.runtime.microbatch import micro_batches, minibatch_of_rows, split_to_count
+from areal_flow.runtime.precision import choose
 from areal_flow.types import Algorithm, ModelOutput, WeightUpdate
 
 
@@ -53,9 +55,11 @@ class TrainConfig:
     tokens (benchmarks/README.md)."""
     ppo_minibatches: int = attrs.field(default=1, validator=v.ge(1))
     """Optimizer steps per batch; the batch's groups are split evenly between them."""
-    bf16: bool = False
-    """bf16 compute with fp32 master weights and fp32 gradient reduction (the recipes turn it on
-    where bf16 is fast: `config.fast_bf16`)."""
+    dtype: Literal["auto", "float32", "bfloat16"] = attrs.field(
+        default="float32", validator=v.in_(("auto", "float32", "bfloat16")))
+    """Compute precision: bfloat16 is bf16 compute with fp32 master weights and fp32 gradient
+    reduction; auto (the recipes' default) measures whether bf16 is faster here for this
+    model's shapes (bf16 on a GPU; `runtime/precision.py`)."""
     activation_checkpointing: bool = False
     """Recompute decoder-layer activations in backward to save memory."""
     skip_nonfinite: bool = False
@@ -117,10 +121,14 @@ class TrainEngine:
         # In a one-process fp32 world FSDP2 has nothing to shard and only copies every parameter
         # and gradient through its collective buffers (0.6x the speed of the bare model,
         # benchmarks/README.md); in bf16 its mixed-precision policy does the casting, so it stays.
-        self.sharded = self.world_size > 1 or config.bf16
+        # every rank computes in the dtype rank 0 measured (FSDP2 needs one policy)
+        self.precision = same_on_all_ranks(choose(config.dtype, path, purpose="train",
+                                                  device=self.device) if self.rank == 0 else None)
+        bf16 = self.precision.dtype == "bfloat16"
+        self.sharded = self.world_size > 1 or bf16
         if self.sharded:
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-                if config.bf16 else MixedPrecisionPolicy()
+                if bf16 else MixedPrecisionPolicy()
             layer_types = set(module._no_split_modules or ())
             for layer in [m for m in module.modules() if type(m).__name__ in layer_types]:
                 fully_shard(layer, mp_policy=policy)

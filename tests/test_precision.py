@@ -1,0 +1,116 @@
+"""`runtime/precision.py`: the run's dtype chosen by timing a GEMM of the model's own shapes."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+import torch
+
+from areal_flow.runtime import precision
+from areal_flow.runtime.precision import choose
+
+
+@pytest.mark.parametrize(("fp32", "bf16", "expected"), [
+    (10e-3, 1e-3, "bfloat16"),   # AMX: bf16 10x faster
+    (2e-3, 1.5e-3, "bfloat16"),  # 1.33x: pays
+    (2e-3, 1.8e-3, "float32"),   # 1.11x: a near tie stays fp32
+    (1e-3, 150e-3, "float32"),   # AVX2-only: emulated bf16
+])
+def test_auto_takes_bf16_only_where_it_is_clearly_faster(monkeypatch, tiny_model_dir, fp32, bf16,
+                                                         expected):
+    seen = []
+
+    def seconds(shape, dtype, device, budget=0.1):
+        seen.append((shape, dtype))
+        return {torch.float32: fp32, torch.bfloat16: bf16}[dtype]
+
+    monkeypatch.setattr(precision, "_seconds", seconds)
+    monkeypatch.setattr(precision, "_measured", {})
+    chosen = choose("auto", tiny_model_dir, purpose="train")
+    assert chosen.dtype == expected
+    assert chosen.seconds == {"float32": fp32, "bfloat16": bf16}
+    # the model's own shapes: the tiny model's hidden size 96 by its MLP width 192
+    assert {shape for shape, _ in seen} == {(precision.ROWS["train"], 96, 192)}
+    assert chosen.flops == pytest.approx(2 * 256 * 96 * 192 / chosen.seconds[expected])
+    assert expected in chosen.describe() and "measured" in chosen.describe()
+
+
+def test_a_process_measures_each_shape_once_and_decode_probes_its_own_rows(monkeypatch,
+                                                                           tiny_model_dir):
+    calls = []
+    monkeypatch.setattr(precision, "_seconds",
+                        lambda shape, dtype, device, budget=0.1: calls.append(shape) or 1e-3)
+    monkeypatch.setattr(precision, "_measured", {})
+    for _ in range(3):
+        choose("auto", tiny_model_dir, purpose="train")
+    choose("auto", tiny_model_dir, purpose="decode")
+    assert calls == [(256, 96, 192)] * 2 + [(16, 96, 192)] * 2  # fp32 and bf16, once each
+
+
+def test_a_given_dtype_or_a_gpu_is_never_measured(monkeypatch, tiny_model_dir):
+    def never(*args, **kwargs):
+        raise AssertionError("measured")
+
+    monkeypatch.setattr(precision, "_seconds", never)
+    monkeypatch.setattr(precision, "_measured", {})
+    assert choose("float32", tiny_model_dir, purpose="train").dtype == "float32"
+    assert choose("bfloat16", tiny_model_dir, purpose="decode").describe() == \
+        "bfloat16 (given, or a GPU)"
+    assert choose("auto", tiny_model_dir, purpose="train", device="cuda").dtype == "bfloat16"
+
+
+def test_bad_choices_are_refused_naming_the_allowed_ones(tiny_model_dir):
+    with pytest.raises(ValueError, match=r"dtype must be one of auto, float32, bfloat16: 'fp16'"):
+        choose("fp16", tiny_model_dir, purpose="train")
+    with pytest.raises(ValueError, match=r"purpose must be one of train, decode: 'eval'"):
+        choose("auto", tiny_model_dir, purpose="eval")
+
+
+def test_a_large_models_probe_is_capped(monkeypatch, tmp_path):
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=32).save_pretrained(
+        tmp_path)
+    shapes = []
+    monkeypatch.setattr(precision, "_seconds",
+                        lambda shape, dtype, device, budget=0.1: shapes.append(shape) or 1e-3)
+    monkeypatch.setattr(precision, "_measured", {})
+    choose("auto", tmp_path, purpose="train")
+    assert set(shapes) == {(256, precision.WIDEST, precision.WIDEST)}
+
+
+def test_the_real_probe_takes_well_under_a_second_and_times_both(monkeypatch, tiny_model_dir):
+    import time
+
+    monkeypatch.setattr(precision, "_measured", {})
+    start = time.perf_counter()
+    chosen = choose("auto", tiny_model_dir, purpose="train")
+    assert time.perf_counter() - start < 5  # generous: a loaded CI machine
+    assert set(chosen.seconds) == {"float32", "bfloat16"} and min(chosen.seconds.values()) > 0
+
+
+@attrs.frozen
+class _Cfg:
+    train: object
+    inference: object
+
+
+def test_the_recorded_config_holds_the_choices_not_auto(monkeypatch, tiny_model_dir):
+    from areal_flow.config import InferenceConfig
+    from areal_flow.runtime.engine import TrainConfig
+
+    monkeypatch.setattr(precision, "_seconds", lambda shape, dtype, device, budget=0.1:
+                        {torch.float32: 4e-3, torch.bfloat16: 1e-3}[dtype])
+    monkeypatch.setattr(precision, "_measured", {})
+
+    class Trainer:
+        precision = choose("auto", tiny_model_dir, purpose="train")
+
+    cfg = _Cfg(train=TrainConfig(dtype="auto"), inference=InferenceConfig(dtype="auto"))
+    resolved, note = precision.measured(cfg, str(tiny_model_dir), ("train", Trainer()),
+                                        ("critic", None), in_process=True)
+    assert resolved.train.dtype == "bfloat16" and resolved.inference.dtype == "bfloat16"
+    assert note.splitlines()[1:] == [
+        "train.dtype: bfloat16, measured (float32 4.00 ms, bfloat16 1.00 ms for a 256x96x192 GEMM)",
+        "inference.dtype: bfloat16, measured (float32 4.00 ms, bfloat16 1.00 ms for a 16x96x192 "
+        "GEMM)"]
