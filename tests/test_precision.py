@@ -20,9 +20,9 @@ def test_auto_takes_bf16_only_where_it_is_clearly_faster(monkeypatch, tiny_model
                                                          expected):
     seen = []
 
-    def seconds(shape, dtype, device, budget=0.1):
-        seen.append((shape, dtype))
-        return {torch.float32: fp32, torch.bfloat16: bf16}[dtype]
+    def seconds(shape, device, budget=0.3):
+        seen.append(shape)
+        return {"float32": fp32, "bfloat16": bf16}
 
     monkeypatch.setattr(precision, "_seconds", seconds)
     monkeypatch.setattr(precision, "_measured", {})
@@ -30,7 +30,7 @@ def test_auto_takes_bf16_only_where_it_is_clearly_faster(monkeypatch, tiny_model
     assert chosen.dtype == expected
     assert chosen.seconds == {"float32": fp32, "bfloat16": bf16}
     # the model's own shapes: the tiny model's hidden size 96 by its MLP width 192
-    assert {shape for shape, _ in seen} == {(precision.ROWS["train"], 96, 192)}
+    assert seen == [(precision.ROWS["train"], 96, 192, 1)]
     assert chosen.flops == pytest.approx(2 * 256 * 96 * 192 / chosen.seconds[expected])
     assert expected in chosen.describe() and "measured" in chosen.describe()
 
@@ -38,13 +38,14 @@ def test_auto_takes_bf16_only_where_it_is_clearly_faster(monkeypatch, tiny_model
 def test_a_process_measures_each_shape_once_and_decode_probes_its_own_rows(monkeypatch,
                                                                            tiny_model_dir):
     calls = []
-    monkeypatch.setattr(precision, "_seconds",
-                        lambda shape, dtype, device, budget=0.1: calls.append(shape) or 1e-3)
+    monkeypatch.setattr(precision, "_seconds", lambda shape, device, budget=0.3: calls.append(
+        shape) or {"float32": 1e-3, "bfloat16": 1e-3})
     monkeypatch.setattr(precision, "_measured", {})
     for _ in range(3):
         choose("auto", tiny_model_dir, purpose="train")
     choose("auto", tiny_model_dir, purpose="decode")
-    assert calls == [(256, 96, 192)] * 2 + [(16, 96, 192)] * 2  # fp32 and bf16, once each
+    # decode multiplies its 16 rows by one weight per layer (2 in the tiny model): read, not cached
+    assert calls == [(256, 96, 192, 1), (16, 96, 192, 2)]
 
 
 def test_a_given_dtype_or_a_gpu_is_never_measured(monkeypatch, tiny_model_dir):
@@ -69,14 +70,15 @@ def test_bad_choices_are_refused_naming_the_allowed_ones(tiny_model_dir):
 def test_a_large_models_probe_is_capped(monkeypatch, tmp_path):
     from transformers import LlamaConfig
 
-    LlamaConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=32).save_pretrained(
-        tmp_path)
+    LlamaConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                num_hidden_layers=32).save_pretrained(tmp_path)
     shapes = []
-    monkeypatch.setattr(precision, "_seconds",
-                        lambda shape, dtype, device, budget=0.1: shapes.append(shape) or 1e-3)
+    monkeypatch.setattr(precision, "_seconds", lambda shape, device, budget=0.3: shapes.append(
+        shape) or {"float32": 1e-3, "bfloat16": 1e-3})
     monkeypatch.setattr(precision, "_measured", {})
     choose("auto", tmp_path, purpose="train")
-    assert set(shapes) == {(256, precision.WIDEST, precision.WIDEST)}
+    choose("auto", tmp_path, purpose="decode")
+    assert shapes == [(256, 2048, 2048, 1), (16, 2048, 2048, 16)]  # 16 x 16 MiB of fp32
 
 
 def test_the_real_probe_takes_well_under_a_second_and_times_both(monkeypatch, tiny_model_dir):
@@ -99,8 +101,8 @@ def test_the_recorded_config_holds_the_choices_not_auto(monkeypatch, tiny_model_
     from areal_flow.config import InferenceConfig
     from areal_flow.runtime.engine import TrainConfig
 
-    monkeypatch.setattr(precision, "_seconds", lambda shape, dtype, device, budget=0.1:
-                        {torch.float32: 4e-3, torch.bfloat16: 1e-3}[dtype])
+    monkeypatch.setattr(precision, "_seconds", lambda shape, device, budget=0.3:
+                        {"float32": 4e-3, "bfloat16": 1e-3})
     monkeypatch.setattr(precision, "_measured", {})
 
     class Trainer:
@@ -113,4 +115,4 @@ def test_the_recorded_config_holds_the_choices_not_auto(monkeypatch, tiny_model_
     assert note.splitlines()[1:] == [
         "train.dtype: bfloat16, measured (float32 4.00 ms, bfloat16 1.00 ms for a 256x96x192 GEMM)",
         "inference.dtype: bfloat16, measured (float32 4.00 ms, bfloat16 1.00 ms for a 16x96x192 "
-        "GEMM)"]
+        "GEMM with each of 2 weights)"]

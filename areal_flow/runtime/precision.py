@@ -4,8 +4,9 @@ Whether bf16 pays on a CPU cannot be told from its flags: with AMX a bf16 GEMM r
 than fp32, on an AVX2-only EPYC 150x slower (emulated), and AVX-512 without BF16 sits between
 (`../shared/ENVIRONMENT.md`). So `choose` times a GEMM of the model's own shapes — its hidden
 size by its MLP width — in both dtypes and takes bf16 where it is clearly faster: with the rows of a training
-micro-batch for training (compute-bound), with the rows of a decode batch for the generation
-engine (bound by reading the weights). On a GPU it is bf16 without measuring. A process measures
+micro-batch for training (compute-bound), and for the generation engine with the rows of a
+decode batch against one such weight per layer, so that, as in decoding, the weights are read
+from memory rather than cache. On a GPU it is bf16 without measuring. A process measures
 each shape once; the whole probe stays under a second even where bf16 is emulated.
 """
 
@@ -28,6 +29,8 @@ log-probs then differ from the trainer's), so a near tie stays fp32."""
 WIDEST = 2048
 """The probe's inner and outer sizes are capped here: the rate is the same beyond, and an
 emulated bf16 GEMM of a large model's shapes would take seconds."""
+DECODE_BYTES = 256 * 2**20
+"""The decode probe's fp32 weights stop at this size: beyond any cache, within a second."""
 
 
 @attrs.frozen
@@ -38,8 +41,8 @@ class Precision:
     purpose: Literal["train", "decode"]
     seconds: dict[str, float] = attrs.field(factory=dict)
     """The probe GEMM's seconds per dtype ({} when not measured: given, or a GPU)."""
-    shape: tuple[int, int, int] | None = None
-    """(rows, hidden, MLP width) of the probe."""
+    shape: tuple[int, int, int, int] | None = None
+    """(rows, hidden, MLP width, weights) of the probe: it multiplies the rows by each weight."""
 
     @property
     def flops(self) -> float | None:
@@ -47,15 +50,16 @@ class Precision:
         shape (the denominator of MFU)."""
         if self.shape is None or self.dtype not in self.seconds:
             return None
-        m, k, n = self.shape
-        return 2 * m * k * n / self.seconds[self.dtype]
+        m, k, n, count = self.shape
+        return 2 * m * k * n * count / self.seconds[self.dtype]
 
     def describe(self) -> str:
         if not self.seconds:
             return f"{self.dtype} (given, or a GPU)"
         timings = ", ".join(f"{d} {s * 1e3:.2f} ms" for d, s in self.seconds.items())
-        return (f"{self.dtype}, measured ({timings} for a {'x'.join(map(str, self.shape))} "
-                f"GEMM)")
+        m, k, n, count = self.shape
+        weights = f" with each of {count} weights" if count > 1 else ""
+        return f"{self.dtype}, measured ({timings} for a {m}x{k}x{n} GEMM{weights})"
 
 
 _measured: dict[tuple, dict[str, float]] = {}
@@ -80,34 +84,47 @@ def choose(dtype: str, model: str | Path, *, purpose: Literal["train", "decode"]
     config = AutoConfig.from_pretrained(model)
     hidden = config.hidden_size
     width = getattr(config, "intermediate_size", None) or 4 * hidden
-    shape = (ROWS[purpose], min(hidden, WIDEST), min(width, WIDEST))
+    k, n = min(hidden, WIDEST), min(width, WIDEST)
+    layers = getattr(config, "num_hidden_layers", 1) if purpose == "decode" else 1
+    shape = (ROWS[purpose], k, n, max(1, min(layers, DECODE_BYTES // (4 * k * n))))
     key = (device.type, shape)
     if key not in _measured:
-        _measured[key] = {name: _seconds(shape, getattr(torch, name), device) for name in DTYPES}
+        _measured[key] = _seconds(shape, device)
     seconds = _measured[key]
     faster = seconds["float32"] > MARGIN * seconds["bfloat16"]
     return Precision("bfloat16" if faster else "float32", purpose, dict(seconds), shape)
 
 
-def _seconds(shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device,
-             budget: float = 0.1) -> float:
-    """The fastest of a few timed GEMMs, stopping after `budget` seconds."""
-    m, k, n = shape
+def _seconds(shape: tuple[int, int, int, int], device: torch.device,
+             budget: float = 0.3) -> dict[str, float]:
+    """Each dtype's fastest pass of `shape` (the rows times each weight). The dtypes take turns,
+    so load from other work slows both alike, until `budget` seconds are spent; a dtype whose
+    warm-up alone exceeds it (emulated bf16) is timed by that one call."""
+    m, k, n, count = shape
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(m, k, generator=g).to(device, dtype)
-    w = torch.randn(k, n, generator=g).to(device, dtype)
-    start = time.perf_counter()
-    x @ w  # warm-up: first-call dispatch and allocation
-    if (first := time.perf_counter() - start) > budget:
-        return first  # slow enough that the warm-up is the measurement (emulated bf16)
-    best, spent = float("inf"), 0.0
-    for _ in range(10):
+    x = torch.randn(m, k, generator=g)
+    weights = [torch.randn(k, n, generator=g) for _ in range(count)]
+    operands = {name: (x.to(device, getattr(torch, name)),
+                       [w.to(device, getattr(torch, name)) for w in weights]) for name in DTYPES}
+    del weights
+
+    def timed(name: str) -> float:
+        a, ws = operands[name]
         start = time.perf_counter()
-        x @ w
-        took = time.perf_counter() - start
-        best, spent = min(best, took), spent + took
-        if spent > budget:
+        for w in ws:
+            a @ w
+        return time.perf_counter() - start
+
+    best = {name: timed(name) for name in DTYPES}  # a warm-up, kept only if it is that slow
+    racing = [name for name in DTYPES if best[name] < budget]
+    best.update({name: float("inf") for name in racing})
+    spent = 0.0
+    for round_ in range(50):
+        if round_ >= 3 and spent > budget:  # at least three passes of each
             break
+        for name in racing:
+            took = timed(name)
+            best[name], spent = min(best[name], took), spent + took
     return best
 
 
