@@ -79,6 +79,7 @@ def main(cfg: Config) -> None:
         **({"distill/reverse_kl": "reverse KL"} if teacher else {}),
         "eval/reward": "eval reward", "eval/task_metrics": "eval ",
         "reward_runner/failure_rate": "reward fails", "tokens_per_second": "tok/s",
+        "perf/mfu": "MFU",
         "staleness/mean": "staleness", "seconds/step": "s/step"})
     if rank == 0:
         run.truncate_after(start)
@@ -145,8 +146,9 @@ def main(cfg: Config) -> None:
                                **gsm8k_rl.component_stats(rollout=scheduler, pool=pool,
                                                           reward_runner=rewards)}
                     metrics["seconds/step"] = time.perf_counter() - began
-                    metrics["tokens_per_second"] = batch["attention_mask"].sum().item() / \
-                        metrics["seconds/step"]
+                    tokens = batch["attention_mask"].sum().item()
+                    metrics["tokens_per_second"] = tokens / metrics["seconds/step"]
+                    metrics["perf/mfu"] = trainer.mfu(tokens, metrics["seconds/train"])
                     if cfg.eval_size and ((step + 1) % cfg.eval_every == 0 or last):
                         metrics.update(gsm8k_rl.evaluate(cfg, scheduler, eval_rows))
                     run.log_metrics(step + 1, metrics)

@@ -56,11 +56,12 @@ def check_run_folder(run_dir: Path, steps: int, *, rows_trained: bool = False,
     assert [m["step"] for m in trained] == list(range(1, steps + 1))
     for m in trained:
         for key in ("reward/mean", "loss", "grad_norm", "tokens_per_second", "seconds/train",
-                    "sync/send_seconds", "eval/reward", "eval/response_length",
+                    "sync/send_seconds", "perf/mfu", "eval/reward", "eval/response_length",
                     "response_length/mean", "staleness/mean", "train/skipped_rows",
                     "memory/peak_rss_gb", "reward/flat_group_fraction",
                     "response_length/clip_fraction"):
             assert key in m, key
+        assert 0 < m["perf/mfu"] < float("inf")  # trained FLOPs over the measured GEMM rate
         expected = [*task, *(f"eval/{name}" for name in task),
                     *(f"eval/{name}_ci_{end}" for name in task for end in ("low", "high"))]
         assert sorted(k for k in m if k.split("/")[-1].split("_ci_")[0] in

@@ -116,3 +116,12 @@ def test_the_recorded_config_holds_the_choices_not_auto(monkeypatch, tiny_model_
         "train.dtype: bfloat16, measured (float32 4.00 ms, bfloat16 1.00 ms for a 256x96x192 GEMM)",
         "inference.dtype: bfloat16, measured (float32 4.00 ms, bfloat16 1.00 ms for a 16x96x192 "
         "GEMM with each of 2 weights)"]
+
+
+def test_the_mfu_denominator_is_the_probes_rate_in_the_dtype_in_use(monkeypatch, tiny_model_dir):
+    monkeypatch.setattr(precision, "_seconds", lambda shape, device, budget=0.3:
+                        {"float32": 4e-3, "bfloat16": 1e-3})
+    monkeypatch.setattr(precision, "_measured", {})
+    flops = 2 * 256 * 96 * 192
+    assert precision.gemm_rate(tiny_model_dir, "float32") == pytest.approx(flops / 4e-3)
+    assert precision.gemm_rate(tiny_model_dir, "bfloat16") == pytest.approx(flops / 1e-3)

@@ -36,7 +36,7 @@ from areal_flow.runtime.distributed import (init_distributed, on_rank0, same_on_
 from areal_flow.runtime.layout import PackedRows
 from areal_flow.runtime.logprobs import EntropyMode, LossPositions, loss_position_head
 from areal_flow.runtime.microbatch import micro_batches, minibatch_of_rows, split_to_count
-from areal_flow.runtime.precision import choose
+from areal_flow.runtime.precision import choose, gemm_rate
 from areal_flow.types import Algorithm, ModelOutput, WeightUpdate
 
 
@@ -125,6 +125,9 @@ class TrainEngine:
         self.precision = same_on_all_ranks(choose(config.dtype, path, purpose="train",
                                                   device=self.device) if self.rank == 0 else None)
         bf16 = self.precision.dtype == "bfloat16"
+        self.path = path
+        self.n_params = sum(p.numel() for p in module.parameters())
+        self._gemm_rate: float | None = None
         self.sharded = self.world_size > 1 or bf16
         if self.sharded:
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
@@ -204,6 +207,15 @@ class TrainEngine:
             # refused to mix with the layers' DTensors, and the optimizer never saw them.
             self.model.reshard()
         return TensorDict({"logprobs": logprobs, "values": values}, batch_size=[rows])
+
+    def mfu(self, tokens: int, seconds: float) -> float:
+        """Model FLOPs utilisation of a step that trained `tokens` tokens in `seconds`: 6 FLOPs
+        per parameter and token (forward and backward; attention not counted) over the GEMM
+        rate this machine gives this model's shapes in the dtype in use (measured once,
+        `precision.gemm_rate`). Needs no other rank."""
+        if self._gemm_rate is None:
+            self._gemm_rate = gemm_rate(self.path, self.precision.dtype, self.device)
+        return 6 * self.n_params * tokens / (seconds * self._gemm_rate)
 
     # -- training -----------------------------------------------------------------------
 

@@ -79,6 +79,21 @@ def choose(dtype: str, model: str | Path, *, purpose: Literal["train", "decode"]
     device = torch.device(device)
     if device.type == "cuda":
         return Precision("bfloat16", purpose)
+    shape, seconds = _probe(model, purpose, device)
+    faster = seconds["float32"] > MARGIN * seconds["bfloat16"]
+    return Precision("bfloat16" if faster else "float32", purpose, dict(seconds), shape)
+
+
+def gemm_rate(model: str | Path, dtype: str, device: torch.device | str = "cpu") -> float:
+    """FLOP/s of the training probe's GEMM (this model's shapes) in `dtype` on `device`: the
+    rate that training FLOPs are compared with for MFU (`perf/mfu`)."""
+    shape, seconds = _probe(model, "train", torch.device(device))
+    m, k, n, count = shape
+    return 2 * m * k * n * count / seconds[dtype]
+
+
+def _probe(model: str | Path, purpose: str,
+           device: torch.device) -> tuple[tuple[int, int, int, int], dict[str, float]]:
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model)
@@ -87,12 +102,10 @@ def choose(dtype: str, model: str | Path, *, purpose: Literal["train", "decode"]
     k, n = min(hidden, WIDEST), min(width, WIDEST)
     layers = getattr(config, "num_hidden_layers", 1) if purpose == "decode" else 1
     shape = (ROWS[purpose], k, n, max(1, min(layers, DECODE_BYTES // (4 * k * n))))
-    key = (device.type, shape)
+    key = (str(device), shape)
     if key not in _measured:
         _measured[key] = _seconds(shape, device)
-    seconds = _measured[key]
-    faster = seconds["float32"] > MARGIN * seconds["bfloat16"]
-    return Precision("bfloat16" if faster else "float32", purpose, dict(seconds), shape)
+    return shape, _measured[key]
 
 
 def _seconds(shape: tuple[int, int, int, int], device: torch.device,
@@ -107,12 +120,15 @@ def _seconds(shape: tuple[int, int, int, int], device: torch.device,
     operands = {name: (x.to(device, getattr(torch, name)),
                        [w.to(device, getattr(torch, name)) for w in weights]) for name in DTYPES}
     del weights
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def timed(name: str) -> float:
         a, ws = operands[name]
+        sync()
         start = time.perf_counter()
         for w in ws:
             a @ w
+        sync()
         return time.perf_counter() - start
 
     best = {name: timed(name) for name in DTYPES}  # a warm-up, kept only if it is that slow
