@@ -333,6 +333,21 @@ class StopPool(ScriptedPool):
         return out
 
 
+def two_turns(ctx):
+    """An agent's two calls: a question, then its reply sent back with a follow-up; the
+    messages of the second call and its response."""
+    messages = [{"role": "user", "content": "One."}]
+
+    async def agent():
+        client = ctx.openai_client()
+        reply = await client.chat.completions.create(model="p", messages=messages)
+        messages.extend([reply.choices[0].message.model_dump(exclude_none=True),
+                         {"role": "user", "content": "Two."}])
+        return await client.chat.completions.create(model="p", messages=messages)
+
+    return messages, asyncio.run(agent())
+
+
 @pytest.mark.parametrize("name", TEMPLATES)
 @pytest.mark.parametrize("cut", [False, True], ids=["stopped", "cut-at-budget"])
 def test_the_tokens_between_turns_are_what_the_template_renders_there(tokenizer, name, cut):
@@ -341,16 +356,7 @@ def test_the_tokens_between_turns_are_what_the_template_renders_there(tokenizer,
     assert tok.eos_token_id != tok.convert_tokens_to_ids(stop)
     pool = StopPool(tok, ["first", "second"], stop, cut=cut)
     ctx = context(tok, pool)
-    messages = [{"role": "user", "content": "One."}]
-
-    async def workflow():
-        client = ctx.openai_client()
-        reply = await client.chat.completions.create(model="p", messages=messages)
-        messages.extend([reply.choices[0].message.model_dump(exclude_none=True),
-                         {"role": "user", "content": "Two."}])
-        await client.chat.completions.create(model="p", messages=messages)
-
-    asyncio.run(workflow())
+    messages, _ = two_turns(ctx)
     first, second = pool.requests
     one = pool.served[0]
     # the second prompt continues the model's own tokens ...
@@ -380,16 +386,8 @@ def test_a_template_that_rewrites_past_turns_starts_a_new_sequence(tokenizer):
     tok = with_template(tokenizer, THINK, [], "<|im_end|>")
     pool = ScriptedPool(tok, ["<think>hmm</think>\nfirst", "second"])
     ctx = context(tok, pool)
-    messages = [{"role": "user", "content": "One."}]
-
-    async def workflow():
-        client = ctx.openai_client()
-        reply = await client.chat.completions.create(model="p", messages=messages)
-        messages.extend([reply.choices[0].message.model_dump(exclude_none=True),
-                         {"role": "user", "content": "Two."}])
-        return await client.chat.completions.create(model="p", messages=messages)
-
-    assert asyncio.run(workflow()).choices[0].message.content == "second"
+    messages, last = two_turns(ctx)
+    assert last.choices[0].message.content == "second"
     # the second prompt is the template's own rendering, as a server would build it
     assert list(pool.requests[1].input_ids) == ctx.chat(messages)
     episode = ctx.recorded_episode()
