@@ -11,6 +11,10 @@ from areal_flow.rollout.scheduler import RolloutError, RolloutScheduler
 from areal_flow.types import Completion, SamplingParams
 from areal_flow.workflow.context import field
 
+# a bug that hangs the scheduler leaves a test waiting without using CPU time (what mutmut
+# limits): fail it in seconds, not in minutes
+pytestmark = pytest.mark.timeout(15)
+
 
 class InstantPool:
     version = 0
@@ -178,3 +182,156 @@ def test_a_restart_readmits_unconsumed_groups_first_in_admission_order_with_thei
 def test_an_unknown_consume_order_fails_naming_the_choices():
     with pytest.raises(ValueError, match="'consume_order' must be in .*'oldest_version'"):
         RolloutConfig(consume_order="lifo")
+
+
+class SlowPool(RecordingPool):
+    """Completions after a short wait; remembers the most requests it held at once and each
+    request's temperature."""
+
+    def __init__(self):
+        super().__init__()
+        self.active = self.peak = 0
+        self.temperatures: list[float] = []
+
+    async def generate(self, request):
+        import asyncio
+
+        self.active += 1
+        self.peak = max(self.peak, self.active)
+        self.temperatures.append(request.sampling.temperature)
+        try:
+            await asyncio.sleep(0.002)
+            return await super().generate(request)
+        finally:
+            self.active -= 1
+
+
+def test_evaluation_runs_whole_groups_within_the_concurrency_limit_outside_the_training_counts():
+    """`rollout_batch` gives each sample its group in order ([] for one that keeps failing),
+    samples with the sampling given, runs at most max_concurrent episodes at once (whole
+    groups), seeds each episode by its place reproducibly, and leaves the training counters and
+    admission alone."""
+    attempts.clear()
+    data = [{"id": i, "fails": 0, "text": "a" * (i + 1)} for i in range(4)]
+    data.append({"id": 4, "fails": 99, "text": "a"})
+    # 3 slots: one group of 2 at a time, never a second (it does not fit whole)
+    s = scheduler(data, batch_size=1, group_size=1, max_concurrent=3, max_retries=1)
+    s.pool = pool = SlowPool()
+    with pytest.raises(RuntimeError, match="start"):
+        s.rollout_batch(data)
+    s.pause()  # no training group is admitted
+    with s:
+        s.settle()
+        out = s.rollout_batch(data, sampling=SamplingParams(temperature=0.5), group_size=2)
+        stats = s.stats()
+        first_seeds = seeds_by_sample(pool)
+        pool.requests.clear()
+        s.rollout_batch(data, sampling=SamplingParams(temperature=0.5), group_size=2)
+        temperatures, second_seeds = set(pool.temperatures), seeds_by_sample(pool)
+        single = s.rollout_batch(data[:2])  # one episode per sample by default
+    assert [len(group) for group in single] == [1, 1]
+    # labelled -1 - i: never a dataset row's id, and the sample recoverable
+    assert [{ep.info["sample_id"] for ep in group} for group in out[:4]] == \
+        [{-1 - i} for i in range(4)]
+    assert [len(group) for group in out] == [2, 2, 2, 2, 0]
+    assert [{len(ep.segments[0].token_ids) for ep in group} for group in out[:4]] == \
+        [{i + 1} for i in range(4)]  # the prompt of sample i has i + 1 tokens
+    assert pool.peak == 2 and temperatures == {0.5}
+    assert second_seeds == first_seeds
+    every = [seed for seeds in first_seeds.values() for seed in seeds]
+    assert None not in every and len(set(every)) == len(every)
+    assert not {"admitted_groups", "accepted_groups", "workflow_errors", "failed_samples",
+                "rejected_episodes"} & set(stats)
+    assert stats["accepted_total"] == 0 and stats["running_groups"] == 0
+
+
+class Exploding(list):
+    def __getitem__(self, index):
+        raise ZeroDivisionError("a bug in the dataset")
+
+
+def test_a_crash_of_the_scheduler_reaches_the_trainer_as_a_rollout_error():
+    s = scheduler(Exploding([{"id": 0}]), batch_size=1, group_size=1)
+    with s, pytest.raises(RolloutError, match="crashed.*ZeroDivisionError"):
+        s.prepare_batch(timeout=5)
+
+
+def test_a_paused_scheduler_admits_nothing_until_resumed():
+    attempts.clear()
+    s = scheduler([{"id": 0, "fails": 0, "text": "ab"}], batch_size=1, group_size=1)
+    s.pool = pool = RecordingPool()
+    s.pause()
+    with s:
+        s.settle()
+        assert pool.requests == [] and s.stats()["running_groups"] == 0
+        s.resume()
+        batch = s.prepare_batch(timeout=5)
+    assert batch["sample_ids"].tolist() == [0]
+
+
+def test_a_restored_state_admits_next_what_the_uninterrupted_run_did():
+    """Restored after two groups admitted and consumed (nothing pending), the scheduler admits
+    the rows the uninterrupted run admitted third and fourth, with the same seeds."""
+    attempts.clear()
+    data = [{"id": i, "fails": 0, "text": "ab"} for i in range(6)]
+
+    def run(pool, batches, state=None):
+        s = scheduler(data, batch_size=1, max_staleness=0)
+        s.pool, s.shuffle, s.seed = pool, True, 3
+        if state is not None:
+            s.load_state_dict(state)
+        pool.version = s.version
+        with s:
+            for _ in range(batches):
+                s.prepare_batch(timeout=5)
+                pool.version = s.version + 1  # the weights the next group samples with
+                s.set_version(pool.version)
+
+    whole, restored = RecordingPool(), RecordingPool()
+    run(whole, 4)
+    run(restored, 2, {"position": 2, "version": 2, "consumed": 2, "admitted": 2, "pending": []})
+    assert restored.requests[:4] == whole.requests[4:8]  # 2 episodes per group
+    assert len({i for i, _ in whole.requests[:8]}) == 4  # four different rows
+
+
+def test_groups_a_filter_rejects_are_counted_and_replaced():
+    attempts.clear()
+    data = [{"id": i, "fails": 0, "text": "ab"} for i in range(4)]
+    s = scheduler(data, batch_size=2, group_size=1, max_staleness=0)
+    s.filters = (lambda group: group[0].info["sample_id"] != 0,)
+    with s:
+        batch = s.prepare_batch()  # no timeout: waits as long as it takes
+        s.settle()
+        stats, pending = s.stats(), s.state_dict()["pending"]
+    assert batch["sample_ids"].tolist() == [1, 2]
+    assert pending == []  # the rejected group is not re-admitted on a restart
+    assert stats["dropped_filtered_groups"] == 1 and stats["accepted_groups"] == 2
+    assert "dropped_small_groups" not in stats
+
+
+@pytest.mark.parametrize(("batch_size", "limit"), [(1, 200), (5, 250)])
+def test_rollout_gives_up_after_the_larger_of_200_and_50_batches_of_dropped_groups(batch_size,
+                                                                                 limit):
+    attempts.clear()
+    s = scheduler([{"id": i, "fails": 0, "text": "ab"} for i in range(3)],
+                  batch_size=batch_size, group_size=1, max_concurrent=1)
+    s.filters = (lambda group: False,)
+    with s:
+        with pytest.raises(RolloutError, match=f"the last {limit} groups were all dropped"):
+            s.prepare_batch(timeout=10)
+        s.settle()
+        stats = s.stats()
+    assert stats["dropped_filtered_groups"] == limit  # and not one more was admitted
+
+
+def test_an_accepted_group_resets_the_count_of_failures_in_a_row():
+    """Two failing samples, an accepted one, two more failing: never three in a row."""
+    attempts.clear()
+    fails = [99, 99, 0, 99, 99, 0]
+    data = [{"id": i, "fails": f, "text": "ab"} for i, f in enumerate(fails)]
+    with scheduler(data, batch_size=1, group_size=1, max_concurrent=1, max_retries=0,
+                   max_staleness=5) as s:
+        batches = [s.prepare_batch(timeout=5) for _ in range(2)]
+        stats = s.stats()
+    assert [b["sample_ids"].tolist() for b in batches] == [[2], [5]]
+    assert stats["failed_samples"] >= 4  # and admission went on after each

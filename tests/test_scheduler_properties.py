@@ -14,6 +14,10 @@ from areal_flow.config import RolloutConfig
 from areal_flow.rollout.scheduler import RolloutError, RolloutScheduler, has_reward_variance
 from areal_flow.types import Completion, SamplingParams
 
+# a bug that hangs the scheduler leaves a test waiting without using CPU time (what mutmut
+# limits): fail it in seconds, not in minutes
+pytestmark = pytest.mark.timeout(15)
+
 PROMPT = [1, 2, 3]
 
 
@@ -247,3 +251,120 @@ def test_fifo_drops_long_generations_as_stale_and_oldest_version_trains_them(
         train()  # at version 2 a version-0 token is too stale
     assert lengths == trained_lengths
     assert stats == periods  # exact: 60 / 64 is a binary fraction
+
+
+def test_dynamic_sampling_keeps_a_group_with_any_two_different_rewards():
+    from areal_flow.types import Episode
+
+    def group(*rewards):
+        return [Episode(reward=r) for r in rewards]
+
+    assert has_reward_variance(group(0.0, 1.0)) and has_reward_variance(group(1.0, 1.0, 0.5))
+    assert not has_reward_variance(group(1.0, 1.0, 1.0)) and not has_reward_variance(group(0.0))
+
+
+def test_a_stale_group_is_dropped_whole_and_every_counter_says_so():
+    """Two groups of two episodes end in one period: the stale one is dropped, the fresh one
+    trained. The dropped group leaves the accounting (accepted, pending on restart) and is
+    counted; the stale-token fractions sum every episode, overall and per length bucket; the
+    staleness histogram counts each trained token once by its lag."""
+    config = RolloutConfig(batch_size=1, group_size=2, max_concurrent=4, max_staleness=1)
+    pool = ScriptedPool()
+    scheduler = RolloutScheduler(
+        pool=pool, workflow="tests.scripted", dataset=[{"id": i} for i in range(4)],
+        tokenizer=NullTokenizer(), score=no_reward, config=config,
+        sampling=SamplingParams(max_new_tokens=64), shuffle=False)  # length buckets of 16
+
+    def release(*lengths):
+        for length in lengths:
+            scheduler.portal.call(pool.release, 0, length)
+        scheduler.settle()
+
+    def new_version(v):
+        pool.version = v
+        scheduler.set_version(v)
+        scheduler.settle()
+
+    with scheduler:
+        scheduler.settle()  # η = 1: rows 0 and 1 admitted at version 0
+        release(4, 8)
+        first = scheduler.prepare_batch(timeout=5)  # row 0, at version 0
+        before = scheduler.stats()
+        new_version(1)  # row 2 admitted
+        release(20, 24)  # row 1: tokens of versions 0 and 1
+        release(4, 20)  # row 2: version 1 only
+        new_version(2)  # a version-0 token is now too stale: row 1 goes
+        second = scheduler.prepare_batch(timeout=5)
+        scheduler.settle()
+        after = scheduler.stats()
+        pending = [sample_id for _, sample_id in scheduler.state_dict()["pending"]]
+    assert first["sample_ids"].tolist() == [0, 0] and second["sample_ids"].tolist() == [2, 2]
+    assert before["staleness/0"] == 12 and "dropped_stale_groups" not in before
+    assert after["dropped_stale_groups"] == 1 and after["staleness/1"] == 24
+    assert "staleness/0" not in after and "staleness/2" not in after
+    assert after["accepted_total"] == 2 + after["queued_groups"]  # rows 0 and 2, not row 1
+    # to re-admit on a restart: the groups running now (rows 3 and 0 of the next epoch), not row 1
+    assert pending == [3, 0] and after["running_groups"] == 2
+    stale = "stale_dropped_token_fraction"
+    assert after[stale] == pytest.approx(44 / 68)  # 20 + 24 dropped, 4 + 20 trained
+    assert after[f"{stale}/len_0-15"] == 0.0
+    assert after[f"{stale}/len_16-31"] == pytest.approx(44 / 64)
+
+
+@workflow("tests.prompt_only")
+async def prompt_only(ctx, sample):
+    return ctx.episode(PROMPT, reward=float(sample["id"]))
+
+
+@pytest.mark.parametrize("order", ["fifo", "oldest_version"])
+def test_a_group_without_model_tokens_never_goes_stale(order):
+    config = RolloutConfig(batch_size=1, group_size=2, max_concurrent=2, max_staleness=0,
+                           consume_order=order)
+    with RolloutScheduler(pool=ScriptedPool(), workflow="tests.prompt_only",
+                          dataset=[{"id": 0}], tokenizer=NullTokenizer(), score=no_reward,
+                          config=config, sampling=SamplingParams()) as scheduler:
+        scheduler.settle()
+        scheduler.set_version(5)
+        batch = scheduler.prepare_batch(timeout=5)
+        stats = scheduler.stats()
+    assert batch["sample_ids"].tolist() == [0, 0] and "dropped_stale_groups" not in stats
+
+
+def test_every_stale_drop_in_a_period_is_counted():
+    config = RolloutConfig(batch_size=1, group_size=1, max_concurrent=1, max_staleness=0)
+    pool = ScriptedPool()
+    with RolloutScheduler(pool=pool, workflow="tests.scripted",
+                          dataset=[{"id": i} for i in range(4)], tokenizer=NullTokenizer(),
+                          score=no_reward, config=config, sampling=SamplingParams(),
+                          shuffle=False) as scheduler:
+        scheduler.settle()
+        for v in (1, 2):  # a finished group goes stale, then one admitted after it is trained
+            scheduler.settle()
+            scheduler.portal.call(pool.release, 0)
+            pool.version = v
+            scheduler.set_version(v)
+            scheduler.settle()
+            scheduler.portal.call(pool.release, 0)
+            scheduler.settle()
+            scheduler.prepare_batch(timeout=5)
+        stats = scheduler.stats()
+    assert stats["dropped_stale_groups"] == 2
+    assert stats["accepted_total"] == 2 + stats["queued_groups"]
+
+
+@pytest.mark.parametrize("name", ["a/b", ""])
+def test_an_episode_metric_name_must_be_a_plain_word(name):
+    from areal_flow.rollout.scheduler import _check_metrics
+
+    _check_metrics("w", {"accuracy": 1.0, "solved": True})
+    with pytest.raises(ValueError, match="plain word"):
+        _check_metrics("w", {name: 1.0})
+
+
+def test_an_episode_metric_is_a_number_under_a_string_name():
+    from areal_flow.rollout.scheduler import _check_metrics
+
+    with pytest.raises(ValueError, match="plain word"):
+        _check_metrics("w", {3: 1.0})
+    with pytest.raises(TypeError, match="a metric is a number"):
+        _check_metrics("w", {"level": "high"})
