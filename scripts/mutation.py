@@ -54,7 +54,12 @@ MODULES: dict[str, list[str]] = {
     "areal_flow/inference/local.py": ["tests/test_local_engine.py"],
     "areal_flow/registry.py": ["tests/test_registry.py"],
     "areal_flow/runtime/engine.py": ["tests/test_engine_steps.py"],
-    "areal_flow/runtime/microbatch.py": ["tests/test_runtime.py"],
+    "areal_flow/runtime/microbatch.py": ["tests/test_microbatch.py"] + [
+        # the property tests (the rest of test_runtime.py runs torchrun worlds in subprocesses)
+        f"tests/test_runtime.py::test_{name}" for name in (
+            "micro_batches_cover_every_row_once_within_the_budget",
+            "splitting_to_a_count_keeps_rows_and_only_adds_bins",
+            "groups_go_whole_to_ranks_and_the_load_is_balanced")],
     "areal_flow/runtime/logprobs.py": ["tests/test_logprobs.py"],
     "areal_flow/data/collate.py": ["tests/test_collate.py"],
     "areal_flow/inference/sglang_pool.py": ["tests/test_sglang_pool.py"],
