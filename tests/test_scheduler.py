@@ -286,10 +286,12 @@ def test_a_restored_state_admits_next_what_the_uninterrupted_run_did():
                 s.prepare_batch(timeout=5)
                 pool.version = s.version + 1  # the weights the next group samples with
                 s.set_version(pool.version)
+            return s.state_dict()
 
     whole, restored = RecordingPool(), RecordingPool()
-    run(whole, 4)
-    run(restored, 2, {"position": 2, "version": 2, "consumed": 2, "admitted": 2, "pending": []})
+    assert run(whole, 4)["consumed"] == 4
+    assert run(restored, 2, {"position": 2, "version": 2, "consumed": 2, "admitted": 2,
+                             "pending": []})["consumed"] == 4
     assert restored.requests[:4] == whole.requests[4:8]  # 2 episodes per group
     assert len({i for i, _ in whole.requests[:8]}) == 4  # four different rows
 
