@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 
 import pytest
@@ -118,3 +119,334 @@ def test_a_sigterm_relayed_by_torchrun_is_the_same_stop(monkeypatch):
         now[0] += 0.005
         os.kill(os.getpid(), signal.SIGTERM)  # no KeyboardInterrupt
         assert stop.requested
+
+# --------------------------------------------------------------------------- what is trusted
+
+
+def test_a_marker_that_is_not_a_manifest_or_a_file_turned_folder_is_damage(tmp_path):
+    run = RunDir(tmp_path)
+    fake_checkpoint(run, 2)
+    newest = fake_checkpoint(run, 4)
+    (newest / COMPLETE).write_text("{half a manifest")
+    with pytest.warns(UserWarning, match=f"step-000004: its {COMPLETE} marker is not a manifest"):
+        assert run.latest_checkpoint() == (2, run.checkpoint_dir(2))
+    mark_complete(newest)
+    (newest / "trainer_state.pt").unlink()
+    (newest / "trainer_state.pt").mkdir()  # the name is there, the file is not
+    with pytest.warns(UserWarning, match="trainer_state.pt is missing"):
+        assert run.latest_checkpoint() == (2, run.checkpoint_dir(2))
+
+
+def test_the_manifest_lists_every_file_below_the_folder_with_its_size(tmp_path):
+    run = RunDir(tmp_path)
+    path = fake_checkpoint(run, 5)
+    (path / "critic" / "dcp").mkdir(parents=True)
+    (path / "critic" / "dcp" / "shard").write_bytes(b"x" * 7)
+    mark_complete(path)  # marking again: the old marker is not a file of the checkpoint
+    assert json.loads((path / COMPLETE).read_text()) == {
+        "critic/dcp/shard": 7, "hf/model.safetensors": 10240, "trainer_state.pt": 50}
+    assert sorted(p.name for p in path.iterdir()) == [COMPLETE, "critic", "hf", "trainer_state.pt"]
+    assert run.latest_checkpoint() == (5, path)
+
+
+@pytest.mark.parametrize(("keep", "left"), [
+    (0, ["step-000002", "step-000004", "step-000005", "step-000006"]),  # 0 keeps all
+    (1, ["step-000006"]),
+    (3, ["step-000002", "step-000004", "step-000006"]),
+])
+def test_pruning_keeps_the_newest_complete_checkpoints_and_drops_unfinished_ones(
+        tmp_path, keep, left):
+    run = RunDir(tmp_path, keep_checkpoints=keep)
+    for step in (2, 4):
+        fake_checkpoint(run, step)
+    fake_checkpoint(run, 5, complete=False)
+    run.prune(fake_checkpoint(run, 6))
+    assert sorted(p.name for p in run.checkpoints.iterdir()) == left
+
+
+def test_a_new_run_refuses_a_folder_holding_one_and_resume_needs_a_folder(tmp_path):
+    run = RunDir(tmp_path / "run")
+    assert run.resume_from is None
+    write_metrics(run, range(1, 3))
+    with pytest.raises(FileExistsError, match="already holds a run"):
+        RunDir(tmp_path / "run")
+    with pytest.raises(FileNotFoundError, match="no run folder"):
+        RunDir(tmp_path / "elsewhere", resume=True)
+    assert not (tmp_path / "elsewhere").exists()
+    with pytest.raises(FileNotFoundError, match=r"\(folders: none\)"):
+        RunDir(tmp_path / "run", resume=True)
+    path = fake_checkpoint(run, 2)
+    assert RunDir(tmp_path / "run", resume=True).resume_from == (2, path)
+
+
+def test_resume_truncates_metrics_and_samples_after_the_checkpoint_step(tmp_path):
+    run = RunDir(tmp_path)
+    write_metrics(run, range(1, 6), tail="\n")  # a blank line is dropped, not an error
+    for step in range(1, 6):
+        run.log_samples(step, [{"text": f"s{step}"}])
+    run.truncate_after(3)
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").open()] == [1, 2, 3]
+    assert [json.loads(line) for line in (tmp_path / "samples.jsonl").open()] == [
+        {"step": s, "text": f"s{s}"} for s in (1, 2, 3)]
+
+
+# --------------------------------------------------------------------------- what is logged
+
+
+class Recorder:
+    """A tracker that keeps what it is given."""
+
+    made: list = []
+
+    def __init__(self, path, config, start_step):
+        self.opened = (path, config, start_step)
+        self.logged: list = []
+        self.closed = False
+        Recorder.made.append(self)
+
+    def log(self, step, numbers):
+        self.logged.append((step, numbers))
+
+    def close(self):
+        self.closed = True
+
+
+def test_metrics_go_to_the_file_whole_and_to_trackers_as_numbers(tmp_path):
+    import torch
+
+    from areal_flow.registry import loggers
+
+    loggers.register("test_run_dir.recorder", Recorder)
+    Recorder.made.clear()
+    run = RunDir(tmp_path)
+    config = RunConfig(steps=3, logger=("test_run_dir.recorder",))
+    run.write_config(config)
+    assert "steps: 3" in (tmp_path / "config.yaml").read_text()
+    run.start_loggers(config.logger, config, step=7)
+    [tracker] = Recorder.made
+    assert tracker.opened[0] == tmp_path and tracker.opened[2] == 7
+    assert tracker.opened[1]["steps"] == 3
+    run.log_metrics(8, {"loss": 0.5, "n": 3, "done": True, "name": "x", "t": torch.tensor(2.0),
+                        "obj": Recorder})
+    assert tracker.logged == [(8, {"loss": 0.5, "n": 3.0})]
+    assert json.loads((tmp_path / "metrics.jsonl").read_text()) == {
+        "step": 8, "loss": 0.5, "n": 3, "done": True, "name": "x", "t": 2.0, "obj": str(Recorder)}
+    run.close()
+    assert tracker.closed and run.loggers == []
+
+
+def test_run_config_checks_what_it_can_before_anything_starts():
+    from areal_flow.registry import UnknownNameError
+
+    with pytest.raises(ValueError, match="--resume needs --run-dir"):
+        RunConfig(resume=True)
+    with pytest.raises(UnknownNameError, match="unknown logger 'nope'"):
+        RunConfig(logger=("nope",))
+    assert RunConfig(resume=True, run_dir="r").resume
+    assert RunDir.default_path("grpo").parent.name == "runs"
+    assert re.fullmatch(r"grpo-\d{8}-\d{6}", RunDir.default_path("grpo").name)
+
+
+def test_peak_rss_is_the_kernels_high_water_mark_in_gb():
+    from areal_flow.run import peak_rss_gb
+
+    status = dict(line.split(":", 1) for line in open("/proc/self/status"))
+    high_water_kb = int(status["VmHWM"].split()[0])
+    assert peak_rss_gb() == pytest.approx(high_water_kb / 1024**2, rel=0.2)
+
+
+# --------------------------------------------------------------------------- what is shown
+
+
+def test_the_plain_display_prints_a_line_per_step_with_metrics_and_eta(monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    import areal_flow.run
+    from areal_flow.run import LiveDisplay, _fmt
+
+    now = [100.0]
+    monkeypatch.setattr(areal_flow.run.time, "monotonic", lambda: now[0])
+    display = LiveDisplay(total_steps=10, start_step=2, columns={
+        "loss": "loss", "reward": "reward", "task_metrics": "", "eval/task_metrics": "eval "})
+    out = io.StringIO()
+    display.console = Console(file=out, width=300, force_terminal=False)
+    with display:
+        now[0] += 90.0
+        display.update(5, {"loss": 0.123456, "reward": 12345.6, "task_metrics": ["accuracy"],
+                           "accuracy": 0.5, "eval/accuracy": 0.25})
+        display.update(6, {"loss": 1.0})  # task metrics listed before still name the columns
+    assert out.getvalue().splitlines() == [
+        "step 5/10 loss 0.123 reward 12,346 accuracy 0.5 eval accuracy 0.25 eta 2.5 min",
+        "step 6/10 loss 1 eta 1.5 min",
+    ]
+    assert (_fmt(None), _fmt(999.5), _fmt(-2000.0)) == ("-", "1e+03", "-2,000")
+    quiet = LiveDisplay(10, 0, {"loss": "loss"}, enabled=False)
+    quiet.console = Console(file=io.StringIO(), force_terminal=True)
+    with quiet:
+        quiet.update(1, {"loss": 1.0})
+        quiet.print("hello")
+    assert quiet.console.file.getvalue() == ""
+
+
+def test_a_stop_request_restores_the_handlers_it_replaced(capsys):
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    with StopRequest(repeat_window=1.0) as stop:
+        assert not stop.requested
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.requested
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
+    assert "SIGINT: stopping after this step" in capsys.readouterr().out
+
+
+def test_run_config_bounds_and_documented_defaults():
+    config = RunConfig()
+    assert (config.eval_size, config.eval_every, config.steps, config.save_every,
+            config.keep_checkpoints, config.seed, config.resume) == (16, 8, 24, 8, 2, 0, False)
+    RunConfig(eval_size=0, keep_checkpoints=0, steps=1, eval_every=1, save_every=1)  # the least
+    for field in ("eval_size", "keep_checkpoints"):
+        with pytest.raises(ValueError, match=field):
+            RunConfig(**{field: -1})
+    for field in ("steps", "eval_every", "save_every"):
+        with pytest.raises(ValueError, match=field):
+            RunConfig(**{field: 0})
+
+
+def test_the_live_panel_on_a_terminal_shows_the_step_metrics_and_a_sample():
+    import io
+
+    from rich.console import Console
+
+    from areal_flow.run import LiveDisplay
+
+    display = LiveDisplay(total_steps=10, start_step=0, columns={"loss": "loss"})
+    display.console = Console(file=io.StringIO(), force_terminal=True, width=100)
+    with display:
+        display.update(4, {"loss": 0.5}, sample="older text " * 80 + "THE END")
+    text = display.console.file.getvalue()
+    for shown in ("4/10", "loss", "0.5", "elapsed", "ETA", "a sample completion", "THE END"):
+        assert shown in text
+    assert text.count("older text") < 80  # the sample's tail only
+
+
+def test_a_stop_request_outside_the_main_thread_installs_no_handlers():
+    import threading
+
+    before = signal.getsignal(signal.SIGTERM)
+    seen = []
+
+    def enter():
+        with StopRequest() as stop:
+            seen.append((stop.repeat_window, signal.getsignal(signal.SIGTERM)))
+
+    thread = threading.Thread(target=enter)
+    thread.start()
+    thread.join()
+    assert seen == [(1.0, before)]
+
+
+def _captured_panel(monkeypatch, color: bool) -> str:
+    """The live panel after step 2 of 62, one minute in, rendered as a terminal would show it."""
+    import io
+
+    from rich.console import Console
+
+    import areal_flow.run
+    from areal_flow.run import LiveDisplay
+
+    class Live:  # stands for rich's Live: keeps what it is given
+        def update(self, renderable):
+            self.renderable = renderable
+
+    monkeypatch.setattr(areal_flow.run.time, "monotonic", lambda: 100.0)
+    display = LiveDisplay(total_steps=62, start_step=0, columns={"loss": "loss"})
+    display._live = live = Live()
+    monkeypatch.setattr(areal_flow.run.time, "monotonic", lambda: 160.0)
+    display.update(2, {"loss": 0.5}, sample="Z" + "y" * 600)  # 601 characters: the last 600 shown
+    console = Console(file=io.StringIO(), width=60,
+                      **({"force_terminal": True, "color_system": "standard"} if color else
+                         {"color_system": None}))
+    console.print(live.renderable)
+    return console.file.getvalue()
+
+
+def test_the_live_panel_is_a_right_aligned_table_with_a_bold_header_and_the_samples_tail(
+        monkeypatch):
+    lines = _captured_panel(monkeypatch, color=False).splitlines()
+    assert lines[:2] == [" step  loss  elapsed       ETA ",  # 1 minute for 2 steps: 30 for 60
+                         " 2/62   0.5  1.0 min  30.0 min "]
+    assert lines[2].startswith("╭─ a sample completion ─")
+    assert "Z" not in "".join(lines) and "y" * 20 in "".join(lines)
+    assert "\x1b[1mstep\x1b[0m" in _captured_panel(monkeypatch, color=True)
+
+
+def test_the_plain_line_is_one_unhighlighted_line_however_narrow_the_terminal(monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    import areal_flow.run
+    from areal_flow.run import LiveDisplay, _fmt
+
+    now = [100.0]
+    monkeypatch.setattr(areal_flow.run.time, "monotonic", lambda: now[0])
+    display = LiveDisplay(total_steps=62, start_step=1, columns={"loss": "loss"})
+    with display:  # not a terminal here: plain lines
+        display.console = Console(file=io.StringIO(), width=20, force_terminal=True,
+                                  color_system="standard")
+        now[0] += 60.0
+        display.update(2, {"loss": 0.25})  # one step a minute: 60 to go
+        now[0] += 60.0
+        display.update(3, {"loss": 0.125})
+        display.print("a/long/path/that/must/stay/whole")
+    assert display.console.file.getvalue().splitlines() == [
+        "step 2/62 loss 0.25 eta 60.0 min", "step 3/62 loss 0.125 eta 59.0 min",
+        "a/long/path/that/must/stay/whole"]
+    assert (_fmt(1000.4), _fmt(999.0)) == ("1,000", "999")
+
+
+def test_a_run_folder_is_made_with_its_parents_and_keeps_every_checkpoint_by_default(tmp_path):
+    run = RunDir(tmp_path / "a" / "b")
+    assert run.resume is False
+    assert run.checkpoint_dir(3) == tmp_path / "a" / "b" / "checkpoints" / "step-000003"
+    run.close()  # no trackers opened: nothing to close
+    for step in (1, 2, 3):
+        fake_checkpoint(run, step)
+    run.prune(run.checkpoint_dir(3))
+    assert len(list(run.checkpoints.iterdir())) == 3
+    (run.checkpoints / "step-notes.txt").write_text("a stray file")  # cannot be rmtree'd
+    RunDir(tmp_path / "a" / "b", keep_checkpoints=1).prune(run.checkpoint_dir(3))  # no error
+    assert sorted(p.name for p in run.checkpoints.iterdir()) == ["step-000003", "step-notes.txt"]
+    # a new run in a folder holding checkpoints but no metrics starts from nothing
+    assert RunDir(tmp_path / "a" / "b").resume_from is None
+
+
+def test_truncation_skips_blank_lines_anywhere_and_a_missing_metrics_file(tmp_path):
+    run = RunDir(tmp_path)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n\n{"step": 2}\n')
+    run.truncate_after(1)
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    (tmp_path / "metrics.jsonl").unlink()
+    run.log_samples(1, [{"a": 1}])
+    run.log_samples(2, [{"a": 2}])
+    run.truncate_after(1)  # no metrics file: the samples are still truncated
+    assert (tmp_path / "samples.jsonl").read_text() == '{"step": 1, "a": 1}\n'
+
+
+def test_a_stop_request_says_what_happens_and_a_second_one_a_window_later_interrupts(
+        monkeypatch, capsys):
+    import areal_flow.run
+
+    now = [100.0]
+    monkeypatch.setattr(areal_flow.run.time, "monotonic", lambda: now[0])
+    with StopRequest(repeat_window=1.0) as stop:
+        assert stop.requested is False
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.requested is True
+        now[0] += 1.0  # exactly the window: a new request
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGTERM)
+    assert capsys.readouterr().out == (
+        "\nSIGTERM: stopping after this step (or now, when waiting for a batch) and writing a "
+        "checkpoint; again to stop at once\n")

@@ -293,6 +293,7 @@ def test_a_run_folder_checkpoint_is_marked_whole_pruned_and_resumes_policy_and_c
 
     run = RunDir(tmp_path / "run", keep_checkpoints=1)
     actor, critic = engine(tiny_model_dir), critic_engine()
+    (run.checkpoint_dir(1) / "critic").mkdir(parents=True)  # left by a crash while saving step 1
     first = run.save_checkpoint(1, actor, extra={"position": 1}, critic=critic)
     assert run.has_checkpoint(1) and not run.has_checkpoint(2)
     with torch.no_grad():  # a critic unlike a fresh one (whose head is zero)
@@ -300,6 +301,8 @@ def test_a_run_folder_checkpoint_is_marked_whole_pruned_and_resumes_policy_and_c
     second = run.save_checkpoint(2, actor, extra={"position": 2}, critic=critic,
                                  tokenizer_from=tiny_model_dir)
     assert not first.exists()
+    assert sorted(p.name for p in second.iterdir()) == [
+        COMPLETE, "critic", "dcp", "hf", "trainer_state.pt"]
     manifest = json.loads((second / COMPLETE).read_text())
     assert {"trainer_state.pt", "critic/trainer_state.pt", "hf/config.json",
             "hf/tokenizer.json"} <= set(manifest)
