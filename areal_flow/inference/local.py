@@ -705,7 +705,8 @@ def truncate(scaled: torch.Tensor, params: list) -> torch.Tensor:
                          device=scaled.device)
     top_p = torch.tensor([p.top_p for p in params], device=scaled.device)
     min_p = torch.tensor([p.min_p for p in params], device=scaled.device)
-    # a token is dropped when the tokens ranked above it already hold top_p of the mass
+    # a token is dropped when the tokens ranked above it hold more than top_p of the mass (as
+    # SGLang's torch sampler: the token that crosses top_p exactly is kept)
     mass_above = sorted_probs.cumsum(-1) - sorted_probs
     drop_sorted = (rank >= top_k[:, None]) | ((mass_above > top_p[:, None]) & (top_p[:, None] < 1))
     drop_sorted |= sorted_probs < (min_p * sorted_probs[:, 0])[:, None]
