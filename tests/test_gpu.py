@@ -6,17 +6,15 @@ GPU); `scripts/gpu_check.sh --cpu` sets it to cpu, so CI runs the same steps and
 
 from __future__ import annotations
 
-import asyncio
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 import torch
 
-from areal_flow.types import GenerationRequest, SamplingParams, WeightUpdate
+from areal_flow.types import SamplingParams
 
 DEVICE = os.environ.get("AREAL_FLOW_CHECK_DEVICE", "cuda")
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,41 +110,6 @@ def test_the_device_engine_generates_what_a_lora_trainer_exports(world, tiny_mod
 
 
 def test_the_device_engine_continues_interrupted_generations_under_new_weights(tiny_model_dir):
-    from transformers import AutoModelForCausalLM
+    from tests.test_local_engine import check_interrupted_generations
 
-    from areal_flow.inference.local import LocalEngine
-    from tests.test_local_engine import greedy_reference, perturbed, prompts
-
-    engine = LocalEngine(tiny_model_dir, device=DEVICE)
-    w0 = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    w1 = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    w1.load_state_dict(perturbed(w0, 0.05, seed=1))
-    switched, steps = threading.Event(), iter(range(1, 10_000))
-
-    def hook(eng):
-        if next(steps) == 10:
-            eng.pause(wait=False)
-            switched.set()
-
-    async def main():
-        reqs = [GenerationRequest(input_ids=p, sampling=SamplingParams(
-            temperature=0, max_new_tokens=30, ignore_eos=True)) for p in prompts(4)]
-        tasks = [asyncio.ensure_future(engine.generate(r)) for r in reqs]
-        await asyncio.to_thread(switched.wait, 60)
-        await asyncio.to_thread(engine.update_weights,
-                                WeightUpdate(version=1, state_dict=w1.state_dict()))
-        engine.resume()
-        return reqs, await asyncio.gather(*tasks)
-
-    engine.on_step = hook
-    try:
-        reqs, outs = asyncio.run(main())
-        assert engine.stats()["interruptions"] == len(reqs)
-    finally:
-        engine.close()
-    for req, out in zip(reqs, outs):
-        k = out.versions.index(1)
-        assert 0 < k and set(out.versions[:k]) == {0} and set(out.versions[k:]) == {1}
-        before = greedy_reference(w0, req.input_ids, k)
-        assert list(out.token_ids) == before + greedy_reference(
-            w1, [*req.input_ids, *before], 30 - k)
+    check_interrupted_generations(tiny_model_dir, DEVICE)
