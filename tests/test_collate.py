@@ -116,3 +116,56 @@ def test_samples_hold_every_segment_of_a_multi_turn_episode_in_order(tiny_model_
         (turns[0], False), (turns[1], True), (turns[2], False), (turns[3], True)]
     assert first[0]["prompt"] == turns[0] and first[0]["reward"] == 0.5
     assert first[0]["completion"] == turns[1] + turns[3]
+
+
+def test_metrics_are_per_row_nan_where_missing_info_rides_along_and_padding_uses_the_pad_id():
+    import math
+
+    def said(ids):
+        return Completion(token_ids=ids, logprobs=[-0.5] * len(ids), versions=[3] * len(ids),
+                          finish_reason="stop")
+
+    first = Episode.start([1, 2], said([3, 4, 5]), reward=1.0)
+    first.metrics, first.info = {"accuracy": 1.0, "steps": 2}, {"id": "first"}
+    second = Episode.start([6], said([7]), reward=0.0)
+    second.metrics, second.info = {"accuracy": 0.0}, {"id": "second", "note": [1]}
+    third = Episode.start([8, 9], reward=0.5)  # prompt only: nothing reported
+    batch = collate_groups([[first, second], [third]], pad_token_id=99)
+    assert sorted(batch["metrics"].keys()) == ["accuracy", "steps"]
+    assert batch["metrics"]["accuracy"].tolist()[:2] == [1.0, 0.0]
+    assert math.isnan(batch["metrics"]["accuracy"][2])
+    steps = batch["metrics"]["steps"].tolist()
+    assert steps[0] == 2.0 and math.isnan(steps[1]) and math.isnan(steps[2])
+    assert batch["metrics"].batch_size == torch.Size([3])
+    assert list(batch["info"]) == [{"id": "first"}, {"id": "second", "note": [1]}, {}]
+    assert batch["input_ids"].tolist() == [[1, 2, 3, 4, 5], [6, 7, 99, 99, 99],
+                                           [8, 9, 99, 99, 99]]
+    assert batch["temperature"].tolist() == [1.0, 1.0, 1.0]
+    assert batch["group_ids"].tolist() == [0, 0, 1]
+    assert batch["rewards"].tolist() == [1.0, 0.0, 0.5]
+    # no episode reports a metric: an empty table of the batch's rows
+    plain = collate_groups([[Episode.start([1], said([2]), reward=1.0)]])
+    assert list(plain["metrics"].keys()) == [] and plain["metrics"].batch_size == torch.Size([1])
+
+
+def test_every_key_keeps_its_dtype_for_integer_numbers_and_another_default_dtype():
+    """Rewards and temperatures given as ints, a session whose default dtype is float64: the
+    batch the trainer gets is the same (and padding is 0 unless told otherwise)."""
+    said = Completion(token_ids=[3], logprobs=[-0.5], versions=[1], finish_reason="length",
+                      temperature=1)
+    episodes = [Episode.start([1, 2], said, reward=1), Episode.start([4], reward=0)]
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        batch = collate_groups([episodes])
+    finally:
+        torch.set_default_dtype(previous)
+    dtypes = {key: batch[key].dtype for key in (
+        "input_ids", "attention_mask", "loss_mask", "logprobs", "versions", "rewards",
+        "group_ids", "truncated", "temperature")}
+    assert dtypes == {"input_ids": torch.long, "attention_mask": torch.bool,
+                      "loss_mask": torch.bool, "logprobs": torch.float32, "versions": torch.long,
+                      "rewards": torch.float32, "group_ids": torch.long, "truncated": torch.bool,
+                      "temperature": torch.float32}
+    assert batch["input_ids"].tolist() == [[1, 2, 3], [4, 0, 0]]
+    assert batch["rewards"].tolist() == [1.0, 0.0] and batch["truncated"].tolist() == [True, False]
