@@ -450,3 +450,17 @@ def test_a_stop_request_says_what_happens_and_a_second_one_a_window_later_interr
     assert capsys.readouterr().out == (
         "\nSIGTERM: stopping after this step (or now, when waiting for a batch) and writing a "
         "checkpoint; again to stop at once\n")
+
+
+def test_a_note_heads_config_yaml_as_comments_and_the_config_loads_back(tmp_path):
+    from areal_flow.config import load
+
+    run = RunDir(tmp_path / "run")
+    config = RunConfig(steps=7)
+    run.write_config(config, "precision at start:\ntrain.dtype: bfloat16, measured (...)")
+    lines = (tmp_path / "run" / "config.yaml").read_text().splitlines()
+    assert lines[:2] == ["# precision at start:", "# train.dtype: bfloat16, measured (...)"]
+    assert not any(line.startswith("#") for line in lines[2:])
+    assert load(RunConfig, tmp_path / "run" / "config.yaml") == config
+    run.write_config(config)  # no note: no comment lines
+    assert not (tmp_path / "run" / "config.yaml").read_text().startswith("#")
