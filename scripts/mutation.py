@@ -50,7 +50,16 @@ MODULES: dict[str, list[str]] = {
             "a_lora_checkpoint_holds_the_adapter_only_and_resumes_it")],
     "areal_flow/run.py": ["tests/test_run_dir.py", "tests/test_runtime_checkpoint.py::test_a_run_"
                           "folder_checkpoint_is_marked_whole_pruned_and_resumes_policy_and_critic"],
-    "areal_flow/reward/runner.py": ["tests/test_reward_runner.py"],
+    "areal_flow/reward/runner.py": ["tests/test_reward_runner.py"] + [
+        # the first compares _WorkerPopen._launch's source, which mutmut rewrites; the others run
+        # scripts in subprocesses, which cannot see the mutant (and fail under mutmut's stats)
+        f"--deselect=tests/test_reward_runner.py::test_{name}" for name in (
+            "the_worker_popen_is_this_pythons_launch_less_the_main_script",
+            "workers_never_import_the_callers_script",
+            "workers_import_the_callers_areal_flow_when_started_beside_a_clone",
+            "an_async_reward_that_segfaults_is_a_crash_and_the_caller_survives")] + [
+        # a mutant that hangs a call waits on a worker, using no CPU time (mutmut's limit)
+        "--timeout=30"],
     "areal_flow/inference/local.py": ["tests/test_local_engine.py"],
     "areal_flow/registry.py": ["tests/test_registry.py"],
     "areal_flow/runtime/engine.py": ["tests/test_engine_steps.py"],

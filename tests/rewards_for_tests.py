@@ -110,3 +110,27 @@ def per_character(completion: str, **fields) -> dict[str, float]:
 def metrics_divide(completion: str, **fields) -> float:
     """A reward that never fails, with metrics that do on an empty completion."""
     return 1.0
+
+
+@reward("tests.returns", timeout=5.0, default=0.5, range=(0.0, 1.0))
+def returns(completion: str):
+    """Returns what the completion names: "true" a bool, "text" the string "1", else the number
+    it spells ("nan" included): what a careless reward might hand back."""
+    return {"true": True, "text": "1"}.get(completion) or float(completion)
+
+
+@reward("tests.naps", timeout=5.0)
+def naps(completion: str) -> float:
+    """Takes 50 ms: lets a test check the time the runner reports."""
+    time.sleep(0.05)
+    return 1.0
+
+
+def correct(completion: str, answer: str) -> dict[str, float]:
+    return {"correct": float(completion.strip() == answer)}
+
+
+@reward("tests.matches", timeout=5.0, metrics=correct)
+def matches(completion: str, answer: str) -> float:
+    """Needs its keyword argument, as do its metrics."""
+    return float(completion.strip() == answer)

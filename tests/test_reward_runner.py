@@ -15,7 +15,17 @@ import time
 
 import pytest
 
-from areal_flow.reward.runner import FAILURE_WINDOW, RewardFailureError, RewardRunner
+from areal_flow.reward.runner import (
+    FAILURE_WINDOW,
+    RewardFailureError,
+    RewardRunner,
+    _call_in_worker,
+    _exit_status,
+    metrics_problem,
+    resolve,
+    score_with_metrics,
+)
+from areal_flow.types import RewardSpec
 from tests import rewards_for_tests
 from tests.helpers import ROOT as REPO
 
@@ -57,12 +67,15 @@ def test_a_worker_killed_while_idle_does_not_break_later_calls():
     """pebble marks its whole pool broken when a worker dies with no task running (an OOM kill,
     an operator's SIGKILL): the runner starts a new pool and the next call scores."""
     with RewardRunner(max_workers=1) as runner:
-        pid = int(score(runner, "tests.worker_pid"))
-        os.kill(pid, signal.SIGKILL)
-        scores = [score(runner, "tests.length", "hello") for _ in range(3)]
+        scores = []
+        for _ in range(2):  # twice: each break is one more restart
+            pid = int(score(runner, "tests.worker_pid"))
+            assert pid > 1  # -1 is the reward's default: os.kill(-1) would kill every process
+            os.kill(pid, signal.SIGKILL)
+            scores += [score(runner, "tests.length", "hello") for _ in range(2)]
         stats = runner.stats()
-    assert scores == [5.0] * 3
-    assert stats["pool_restarts"] == 1 and stats["calls"] == 4 and stats["failure_rate"] == 0
+    assert scores == [5.0] * 4
+    assert stats["pool_restarts"] == 2 and stats["calls"] == 6 and stats["failure_rate"] == 0
 
 
 def test_rewards_run_in_light_worker_processes(runner):
@@ -322,3 +335,153 @@ def test_without_a_runner_a_failing_metrics_is_logged_and_records_nothing(caplog
     with caplog.at_level(logging.WARNING, logger="areal_flow.reward.runner"):
         assert asyncio.run(ctx.reward("tests.metrics_divide", "")) == 1.0
     assert ctx.metrics == {} and "ZeroDivisionError" in caplog.text
+
+
+def scripted(completion: str) -> float:
+    """Stands for a reward defined in the caller's script (its module set to __main__)."""
+    return 1.0
+
+
+class CallableScorer:
+    def __call__(self, completion: str) -> float:
+        return 1.0
+
+
+def test_a_reward_from_the_main_script_gets_a_clear_error(runner, monkeypatch):
+    monkeypatch.setattr(scripted, "__module__", "__main__")
+    with pytest.raises(ValueError, match="cannot be imported by a worker process"):
+        asyncio.run(runner.score(scripted, "x"))
+
+
+def test_an_undecorated_reward_is_named_by_its_qualname_or_else_its_repr():
+    assert resolve(scripted) == RewardSpec(name="scripted", fn=scripted)
+    scorer = CallableScorer()
+    assert resolve(scorer) == RewardSpec(name=repr(scorer), fn=scorer)
+
+
+def test_a_score_must_be_a_finite_real_number_within_the_range_bounds_included(runner):
+    runner.stats()
+    assert score(runner, "tests.returns", "0") == 0.0  # the lower bound is in range
+    assert score(runner, "tests.returns", "1") == 1.0  # and the upper
+    for bad in ("true", "text", "nan", "1.5"):  # a bool, a str, not finite, above the range
+        assert score(runner, "tests.returns", bad) == 0.5
+    stats = runner.stats()
+    assert stats["invalid"] == 4 and stats["calls"] == 6
+
+
+def test_score_leaves_metrics_alone_and_score_with_metrics_passes_every_argument(runner):
+    runner.stats()
+    assert score(runner, "tests.metrics_divide", "") == 1.0  # its metrics would fail: not run
+    assert asyncio.run(runner.score_with_metrics("tests.length", "abc")) == (3.0, {})
+    assert runner.stats()["metrics_errors"] == 0
+
+    async def in_process(reward, *args, **kwargs):
+        return resolve(reward).fn(*args, **kwargs)
+
+    for scorer in (runner.score, in_process):
+        assert asyncio.run(score_with_metrics(scorer, "tests.matches", "12", answer="12")) == (
+            1.0, {"correct": 1.0})
+        assert asyncio.run(score_with_metrics(scorer, "tests.matches", "7", answer="12")) == (
+            0.0, {"correct": 0.0})
+    assert runner.stats()["metrics_errors"] == 0
+
+
+def test_metrics_problems_name_the_offending_part_and_what_is_allowed():
+    allowed = ("a reward's metrics must return {name: finite number}, each name a plain word "
+               "(no '/': an eval adds 'eval/')")
+    assert metrics_problem([("x", 1.0)]) == f"metrics invalid: returned list [('x', 1.0)]; {allowed}"
+    assert metrics_problem({"x": "high"}) == f"metrics invalid: 'x' is str 'high'; {allowed}"
+    assert metrics_problem({"": 1.0}) == f"metrics invalid: name ''; {allowed}"
+    assert metrics_problem({"ok": 1, "flag": True}) is None
+
+
+def test_the_worker_entry_runs_sync_and_async_rewards_with_every_argument():
+    """What a worker runs, called here: the reward by path, positional and keyword arguments,
+    an async one to completion; a worker that imported another areal_flow refuses."""
+    import areal_flow
+
+    here = areal_flow.__file__
+    assert _call_in_worker("tests.rewards_for_tests:matches", here, ("12",), {"answer": "12"}) == 1.0
+    assert _call_in_worker("tests.async_ok", here, ("x",), {}) == 1.0
+    with pytest.raises(ImportError, match="the caller from /elsewhere"):
+        _call_in_worker("tests.length", "/elsewhere/areal_flow/__init__.py", ("x",), {})
+
+
+def test_a_crash_without_an_exit_code_is_still_described():
+    assert _exit_status(None) == "exit code None"
+    assert _exit_status(3) == "exit code 3"
+    assert _exit_status(-9) == "killed by SIGKILL"
+
+
+@pytest.mark.faults
+def test_workers_never_run_the_callers_main_module(tmp_path, monkeypatch):
+    """In process: the caller's __main__ given by path (a script) and by module name (python -m):
+    a worker must import neither (a script without a main guard would run again in each)."""
+    import types
+    from importlib.machinery import ModuleSpec
+
+    marker = tmp_path / "ran.txt"
+    body = f"open({str(marker)!r}, 'a').write('ran\\n')\n"
+    (tmp_path / "caller_script.py").write_text(body)
+    (tmp_path / "caller_main_mod.py").write_text(body)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    by_path = types.ModuleType("__main__")
+    by_path.__file__, by_path.__spec__ = str(tmp_path / "caller_script.py"), None
+    by_name = types.ModuleType("__main__")
+    by_name.__spec__ = ModuleSpec("caller_main_mod", None)
+    for main in (by_path, by_name):
+        monkeypatch.setitem(sys.modules, "__main__", main)
+        with RewardRunner(max_workers=1) as r:
+            assert score(r, "tests.length", "four") == 4.0
+    assert not marker.exists()
+
+
+@pytest.mark.faults
+def test_stats_report_the_mean_seconds_per_call_since_they_were_last_read(caplog):
+    with RewardRunner(max_workers=1) as r:
+        start = time.perf_counter()
+        with caplog.at_level(logging.WARNING, logger="areal_flow.reward.runner"):
+            assert [score(r, "tests.naps") for _ in range(4)] == [1.0] * 4
+        wall = time.perf_counter() - start
+        assert caplog.records == []  # calls that scored log nothing
+        stats = r.stats()
+        assert stats["calls"] == 4 and stats["failure_rate"] == 0.0
+        assert 0.05 <= stats["mean_seconds"] <= wall / 4  # each call naps 50 ms
+        assert r.stats() == {"calls": 0, "timeouts": 0, "crashes": 0, "errors": 0, "invalid": 0,
+                             "metrics_errors": 0, "pool_restarts": 0, "failure_rate": 0.0,
+                             "mean_seconds": 0.0}
+    score(r, "tests.length")  # closed: it starts no new workers
+    assert r.stats()["pool_restarts"] == 0
+    for rate in (0.0, 1.0):  # both ends are valid limits
+        RewardRunner(max_failure_rate=rate).close()
+    with pytest.raises(ValueError, match="max_failure_rate"):
+        RewardRunner(max_failure_rate=-0.1)
+
+
+@pytest.mark.faults
+def test_the_failure_rate_is_per_reward_over_its_last_window_of_calls(monkeypatch):
+    """Each reward has its own window of its last FAILURE_WINDOW calls (8 here, for speed); it
+    stops the run only when more than the limit failed (exactly the limit does not)."""
+    from areal_flow.reward import runner as runner_module
+
+    window = 8
+    monkeypatch.setattr(runner_module, "FAILURE_WINDOW", window)
+    half = window // 2
+
+    def spec(name):  # one reward under several names: a window each
+        return RewardSpec(name=name, fn=rewards_for_tests.fails_on_x)
+
+    with RewardRunner(max_workers=1, max_failure_rate=0.5) as r:
+        async def calls(name, texts):
+            return [await r.score(spec(name), t) for t in texts]
+
+        # another reward's successes do not dilute this one's failures
+        assert asyncio.run(calls("window.a", ["x"] * (half - 1))) == [0.0] * (half - 1)
+        assert asyncio.run(calls("window.b", ["ok"] * half)) == [1.0] * half
+        with pytest.raises(RewardFailureError, match=rf"failed on {half} of its last {half} "):
+            asyncio.run(calls("window.a", ["x"]))
+        # older calls leave the window: successes, then failures up to exactly the limit
+        assert asyncio.run(calls("window.c", ["ok"] * window + ["x"] * half)) == \
+            [1.0] * window + [0.0] * half
+        with pytest.raises(RewardFailureError, match=rf"failed on {half + 1} of its last {window} "):
+            asyncio.run(calls("window.c", ["x"]))
