@@ -9,7 +9,8 @@ mutmut (https://github.com/boxed/mutmut) puts small realistic bugs into a module
 operator, an off-by-one, a dropped argument, a constant changed — and runs the tests against each.
 Each module runs in a scratch copy of the working tree (`.mutation/<module>/`, ignored by git)
 with only its tests selected (`MODULES`); mutmut maps each test to the functions it calls, so a
-mutant runs only the tests that reach it. A mutant no test reaches ("no tests") is a survivor.
+mutant runs only the tests that reach it. A mutant no test reaches ("no tests") is a survivor;
+one under which the tests hang past mutmut's timeout is caught (a hung suite is a failed one).
 
 The wording of errors, warnings and log lines is not mutated (`raise`, `log.*` and `warnings.warn`
 statements, and docstrings): tests match the words that matter by pattern. Mutants that cannot
@@ -75,6 +76,7 @@ MODULES: dict[str, list[str]] = {
 }
 # statements whose mutants would only change wording (see the module docstring)
 WORDING = [r"^\s*raise ", r"^\s*(log|logger)\.\w+\(", r"^\s*warnings\.warn\("]
+CAUGHT = {"killed", "timeout"}
 EQUIVALENT = ROOT / "scripts" / "mutation_equivalent"  # <module>.toml: mutant name = "why"
 RESULTS = ROOT / "benchmarks" / "results" / "mutation"  # <module>.json: the latest run's
 TABLE = ROOT / "docs" / "mutation.md"
@@ -144,7 +146,7 @@ def main() -> None:
         stale = sorted(set(reasons) - set(verdicts))
         if stale:
             print(f"  {EQUIVALENT / (stem + '.toml')} names mutants that no longer exist: {stale}")
-        survivors = {n: v for n, v in verdicts.items() if v != "killed" and n not in reasons}
+        survivors = {n: v for n, v in verdicts.items() if v not in CAUGHT and n not in reasons}
         for name, verdict in sorted(survivors.items()):
             print(f"  survived: {name} ({verdict})")
             if args.show:
@@ -181,6 +183,7 @@ def write_table() -> None:
         for name, why in _equivalent(r["stem"]).items():
             reasons.append(f"- `{name}`: {why}")
     survivors = [f"- `{n}`" for r in results for n in r["survivors"]]
+    done = {r["module"] for r in results}
     TABLE.write_text(f"""# Mutation testing
 
 Small realistic bugs put into the core modules one at a time (mutmut 3.8.1), each run against
@@ -191,6 +194,8 @@ prints each survivor's diff). Not run in CI: too slow.
 | module | mutants | killed | survived | equivalent | killed of non-equivalent | minutes |
 |---|---|---|---|---|---|---|
 {chr(10).join(_row(r) for r in results)}
+
+Not run to the end yet: {", ".join(f"`{m}`" for m in MODULES if m not in done) or "none"}.
 
 ## Equivalent mutants (they cannot change behaviour)
 
