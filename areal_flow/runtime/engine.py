@@ -124,7 +124,7 @@ class TrainEngine:
         # every rank computes in the dtype rank 0 measured (FSDP2 needs one policy)
         self.precision = same_on_all_ranks(choose(config.dtype, path, purpose="train",
                                                   device=self.device) if self.rank == 0 else None)
-        bf16 = self.precision.dtype == "bfloat16"
+        bf16 = self.precision.torch_dtype is torch.bfloat16
         self.path = path
         self.n_params = sum(p.numel() for p in module.parameters())
         self._gemm_rate: float | None = None

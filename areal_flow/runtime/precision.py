@@ -20,6 +20,10 @@ import attrs
 import torch
 
 DTYPES = ("float32", "bfloat16")
+MEASURED = {"cpu"}
+"""Device types whose bf16 speed must be measured (a GPU's is known: bf16)."""
+SYNCHRONIZE = {"cuda": torch.cuda.synchronize}
+"""What waits for a device's queued work, so a timing covers it."""
 CHOICES = ("auto", *DTYPES)
 ROWS = {"train": 256, "decode": 16}
 """Rows of the probe GEMM: a slice of a training micro-batch; a decode batch."""
@@ -43,6 +47,10 @@ class Precision:
     """The probe GEMM's seconds per dtype ({} when not measured: given, or a GPU)."""
     shape: tuple[int, int, int, int] | None = None
     """(rows, hidden, MLP width, weights) of the probe: it multiplies the rows by each weight."""
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
 
     @property
     def flops(self) -> float | None:
@@ -74,10 +82,10 @@ def choose(dtype: str, model: str | Path, *, purpose: Literal["train", "decode"]
         raise ValueError(f"dtype must be one of {', '.join(CHOICES)}: {dtype!r}")
     if purpose not in ROWS:
         raise ValueError(f"purpose must be one of {', '.join(ROWS)}: {purpose!r}")
-    if dtype != "auto":
+    if dtype in DTYPES:
         return Precision(dtype, purpose)
     device = torch.device(device)
-    if device.type == "cuda":
+    if device.type not in MEASURED:  # a GPU: bf16 pays
         return Precision("bfloat16", purpose)
     shape, seconds = _probe(model, purpose, device)
     faster = seconds["float32"] > MARGIN * seconds["bfloat16"]
@@ -120,7 +128,7 @@ def _seconds(shape: tuple[int, int, int, int], device: torch.device,
     operands = {name: (x.to(device, getattr(torch, name)),
                        [w.to(device, getattr(torch, name)) for w in weights]) for name in DTYPES}
     del weights
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = SYNCHRONIZE.get(device.type, lambda: None)
 
     def timed(name: str) -> float:
         a, ws = operands[name]
