@@ -61,7 +61,8 @@ class ContractReport:
         return (
             f"reward {self.name!r}: {verdict}\n"
             f"  examples run: {self.examples}"
-            f"{' (the reward and its metrics)' if self.metrics_checked else ''}; slowest call {self.slowest_s * 1e3:.2f} ms "
+            f"{' (the reward and its metrics)' if self.metrics_checked else ''}; "
+            f"slowest call {self.slowest_s * 1e3:.2f} ms "
             f"(timeout {self.timeout_s:g} s)"
         )
 

@@ -91,7 +91,11 @@ class RolloutContext:
         so the separator the template puts after it (ChatML's newline) is kept. Without
         `completion` the model is taken to have ended its turn with the template's own
         terminator. The model's tokens stay as generated."""
-        after, _ = self.turn_end(history, new, tools=tools)
+        return self.tokens_after(self._around_turn(history, new, tools)[1], completion)
+
+    def tokens_after(self, after: str, completion: Completion | None = None) -> list[int]:
+        """`after` (the template's text after a model turn, `turn_end`) tokenized, less the stop
+        token `completion` ends with when the text starts with it (see `chat_delta`)."""
         stopped = (self._stop_text(completion.token_ids) if completion is not None
                    else self._leading_special(after))
         return self.encode(after[len(stopped):] if after.startswith(stopped) else after)
@@ -104,15 +108,23 @@ class RolloutContext:
         `<think>` from past turns: a chained prompt would then differ from the one a server
         renders for the same messages)."""
         *before, reply = history
+        prompt, after = self._around_turn(history, new, tools)
+        unchanged = (prompt == self._render(before, tools) and
+                     self._render([*history, *new], tools) == prompt + (reply["content"] or "")
+                     + after)
+        return after, unchanged
+
+    def _around_turn(self, history: list[dict[str, Any]], new: list[dict[str, Any]],
+                     tools: Any) -> tuple[str, str]:
+        """The template's text before and after the content of `history[-1]` when `new`
+        follow: one rendering, with a marker for the content."""
+        *before, reply = history
         marked = self._render([*before, {**reply, "content": _TURN}, *new], tools)
         prompt, found, after = marked.partition(_TURN)
         if not found:
             raise ValueError("the chat template does not render the assistant's content, so no "
                              "turn boundary can be found; build prompts with ctx.encode instead")
-        unchanged = (prompt == self._render(before, tools) and
-                     self._render([*history, *new], tools) == prompt + (reply["content"] or "")
-                     + after)
-        return after, unchanged
+        return prompt, after
 
     def _render(self, messages: list[dict[str, Any]], tools: Any) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False,

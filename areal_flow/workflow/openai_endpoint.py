@@ -177,10 +177,11 @@ class Recorder:
                 history = _renderable([*call.messages, {"role": "assistant",
                                                         "content": call.text}])
                 new = _renderable(messages[k + 1:])
-                if not self.ctx.turn_end(history, new, tools=tools)[1]:
+                after, unchanged = self.ctx.turn_end(history, new, tools=tools)
+                if not unchanged:
                     self.rerendered.add(self.requests)
                     break
-                delta = self.ctx.chat_delta(history, new, tools=tools, completion=call.completion)
+                delta = self.ctx.tokens_after(after, call.completion)
                 return call, [*call.prompt_ids, *call.completion.token_ids, *delta]
         return None, self.ctx.chat(_renderable(messages), tools=tools)
 
