@@ -7,7 +7,7 @@
 
 mutmut (https://github.com/boxed/mutmut) puts small realistic bugs into a module — a flipped
 operator, an off-by-one, a dropped argument, a constant changed — and runs the tests against each.
-Each module runs in a scratch copy of the working tree (`.mutation/<module>/`, ignored by git)
+Each module runs in a scratch copy of the committed tree (`.mutation/<module>/`, ignored by git)
 with only its tests selected (`MODULES`); mutmut maps each test to the functions it calls, so a
 mutant runs only the tests that reach it. A mutant no test reaches ("no tests") is a survivor;
 one under which the tests hang past mutmut's timeout is caught (a hung suite is a failed one).
@@ -15,7 +15,9 @@ one under which the tests hang past mutmut's timeout is caught (a hung suite is 
 The wording of errors, warnings and log lines is not mutated (`raise`, `log.*` and `warnings.warn`
 statements, and docstrings): tests match the words that matter by pattern. Mutants that cannot
 change behaviour are listed with the reason in `scripts/mutation_equivalent/<module>.toml` and
-counted apart. Each module's result goes to `benchmarks/results/mutation/<module>.json` and the
+counted apart; a survivor left standing is explained in the same file's `[survived]` table (a
+behaviour only a subprocess or a second rank can show, a display detail) and still counts as
+survived. Each module's result goes to `benchmarks/results/mutation/<module>.json` and the
 table of all of them to `docs/mutation.md`. It does not run in CI: too slow.
 """
 
@@ -82,15 +84,15 @@ RESULTS = ROOT / "benchmarks" / "results" / "mutation"  # <module>.json: the lat
 TABLE = ROOT / "docs" / "mutation.md"
 
 
-def run_module(module: str, tests: list[str], workdir: Path) -> tuple[dict[str, str], float]:
+def run_module(module: str, tests: list[str], workdir: Path,
+               commit: str) -> tuple[dict[str, str], float]:
     """mutmut's verdict per mutant name, and the seconds it took."""
     shutil.rmtree(workdir, ignore_errors=True)
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,
-                           check=True, capture_output=True).stdout.split(b"\0")
-    for name in filter(None, (f.decode() for f in files)):
-        if (ROOT / name).is_file():
-            (workdir / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / name, workdir / name)
+    workdir.mkdir(parents=True)
+    # the committed tree, not the working one: a row is of one commit, whatever is being edited
+    archive = subprocess.run(["git", "archive", commit], cwd=ROOT, check=True,
+                             capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(workdir)], input=archive, check=True)
     with open(workdir / "pyproject.toml", "a") as f:
         f.write(_toml(module, tests))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -138,11 +140,13 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown module(s) {unknown}; the modules: {', '.join(MODULES)}")
     RESULTS.mkdir(parents=True, exist_ok=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, check=True,
+                            capture_output=True, text=True).stdout.strip()
     for module in args.modules or MODULES:
         stem = module.removeprefix("areal_flow/").removesuffix(".py").replace("/", ".")
         workdir = ROOT / ".mutation" / stem
-        verdicts, seconds = run_module(module, MODULES[module], workdir)
-        reasons = _equivalent(stem)
+        verdicts, seconds = run_module(module, MODULES[module], workdir, commit)
+        reasons, _ = _equivalent(stem)
         stale = sorted(set(reasons) - set(verdicts))
         if stale:
             print(f"  {EQUIVALENT / (stem + '.toml')} names mutants that no longer exist: {stale}")
@@ -151,7 +155,8 @@ def main() -> None:
             print(f"  survived: {name} ({verdict})")
             if args.show:
                 print(re.sub(r"^", "    ", show(workdir, name), flags=re.M))
-        result = {"module": module, "stem": stem, "tests": MODULES[module], "minutes": round(seconds / 60, 1),
+        result = {"module": module, "stem": stem, "tests": MODULES[module], "commit": commit,
+                  "minutes": round(seconds / 60, 1),
                   "verdicts": dict(Counter(verdicts.values())),
                   "equivalent": sorted(n for n in reasons if n in verdicts),
                   "survivors": sorted(survivors)}
@@ -160,9 +165,12 @@ def main() -> None:
     write_table()
 
 
-def _equivalent(stem: str) -> dict[str, str]:
+def _equivalent(stem: str) -> tuple[dict[str, str], dict[str, str]]:
+    """The module's equivalent mutants and its explained survivors, each with the reason."""
     path = EQUIVALENT / f"{stem}.toml"
-    return tomllib.loads(path.read_text()) if path.exists() else {}
+    reasons = tomllib.loads(path.read_text()) if path.exists() else {}
+    survived = reasons.pop("survived", {})
+    return reasons, survived
 
 
 def _row(r: dict) -> str:
@@ -178,11 +186,11 @@ def write_table() -> None:
     """docs/mutation.md from every module's latest result."""
     results = [json.loads(p.read_text()) for p in sorted(RESULTS.glob("*.json"))]
     results.sort(key=lambda r: list(MODULES).index(r["module"]) if r["module"] in MODULES else 99)
-    reasons = []
+    reasons, survivors = [], []
     for r in results:
-        for name, why in _equivalent(r["stem"]).items():
-            reasons.append(f"- `{name}`: {why}")
-    survivors = [f"- `{n}`" for r in results for n in r["survivors"]]
+        equivalent, explained = _equivalent(r["stem"])
+        reasons += [f"- `{name}`: {why}" for name, why in equivalent.items()]
+        survivors += [f"- `{n}`: {explained.get(n, 'not explained yet')}" for n in r["survivors"]]
     done = {r["module"] for r in results}
     TABLE.write_text(f"""# Mutation testing
 
@@ -201,7 +209,7 @@ Not run to the end yet: {", ".join(f"`{m}`" for m in MODULES if m not in done) o
 
 {chr(10).join(reasons) or "none"}
 
-## Survivors
+## Survivors, and why each is left standing
 
 {chr(10).join(survivors) or "none"}
 """)
