@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -23,3 +25,22 @@ def main(doc: str, run: Callable[[bool], dict], show: Callable[[dict], None], na
 def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     lines = [columns, ["---"] * len(columns), *rows]
     return "\n".join("| " + " | ".join(map(str, line)) + " |" for line in lines)
+
+
+def machine_line() -> str:
+    """The CPU (model, count, its bf16 and AMX flags), the GPU, the versions and the load: what a
+    reader needs beside any number measured here."""
+    import torch
+
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    lines = info.splitlines()
+    cpu = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")),
+               platform.processor())
+    flags = set(next((line.split(":", 1)[1].split() for line in lines
+                      if line.startswith("flags")), []))
+    fast = ([f for f in ("avx512_bf16", "amx_bf16") if f in flags]
+            or ["neither avx512_bf16 nor amx_bf16"])
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    return (f"{os.cpu_count()} CPUs ({cpu}; {', '.join(fast)}), {gpu}, torch {torch.__version__}, "
+            f"Python {platform.python_version()}, OMP_NUM_THREADS="
+            f"{os.environ.get('OMP_NUM_THREADS', 'unset')}, load average {os.getloadavg()[0]:.2f}")

@@ -16,24 +16,25 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from common import machine_line  # noqa: E402
+
 ROOT = HERE.parent
 BENCH_PYTHON = ROOT / ".venv-bench" / "bin" / "python"
 # cheapest first, so a broken environment shows up early
-MODULES = ("scheduler", "engine", "training", "train_step", "lora_sync", "async_sync", "overlap",
+MODULES = ("scheduler", "engine", "decode", "training", "train_step", "lora_sync", "async_sync", "overlap",
            "trl_grpo")
 
 
 def bench_python() -> Path:
     """The TRL venv's interpreter, building the venv first if it is not there."""
     if not BENCH_PYTHON.exists():
-        sys.path.insert(0, str(HERE))
         from trl_grpo import INSTALL
 
         print(f"building the TRL benchmark venv (once):\n  {INSTALL}", file=sys.stderr)
@@ -51,16 +52,6 @@ def run_module(name: str, python: Path | str, quick: bool, out_dir: Path) -> dic
     sys.stdout.write(done.stdout)
     print(f"== {name}: {seconds:.0f} s, exit {done.returncode}\n", file=sys.stderr, flush=True)
     return {"name": name, "seconds": seconds, "exit": done.returncode, "table": done.stdout}
-
-
-def machine() -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text()
-                .splitlines() if line.startswith("model name")), platform.processor())
-    import torch
-
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
-    return (f"{os.cpu_count()} CPUs ({cpu}), {gpu}, torch {torch.__version__}, "
-            f"Python {platform.python_version()}, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}")
 
 
 def plot_rewards(out_dir: Path) -> Path | None:
@@ -113,7 +104,7 @@ def main() -> None:
     total = time.perf_counter() - started
     command = "python benchmarks/run.py " + " ".join(sys.argv[1:])
     report = [f"# Benchmarks ({'quick' if args.quick else 'full'})", "",
-              f"`{command.strip()}` on {time.strftime('%Y-%m-%d')}: {machine()}; "
+              f"`{command.strip()}` on {time.strftime('%Y-%m-%d')}: {machine_line()}; "
               f"1-min load average {load:.2f} before, {os.getloadavg()[0]:.2f} after "
               f"(the runs' own); {total / 60:.1f} min in all.", ""]
     for r in runs:

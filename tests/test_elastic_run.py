@@ -5,6 +5,7 @@ metrics show the membership changes."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -45,7 +46,8 @@ def test_a_server_joins_and_another_dies_mid_run_and_no_group_is_lost(tiny_model
                             for a in range(8) for b in range(6)))
     # servers start from the initial weights, labelled version 0 (a newcomer served before it
     # caught up would hand out version-0 tokens late in the run)
-    with SGLangLauncher(tiny_model_dir, gpus=[0, 1, 2], command=serve_command) as servers:
+    with SGLangLauncher(tiny_model_dir, gpus=[0, 1, 2],
+                        command=functools.partial(serve_command, dtype="float32")) as servers:
         a, b, c = servers.addresses
         write_addresses(listing, a, b)
         run = subprocess.Popen(

@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
 
 
 def test_sampling_on_device_logits_with_cpu_generators_matches_the_cpu():
-    from areal_flow.inference.local import sample
+    from areal_flow.inference.sampling import sample
 
     logits = torch.randn(3, 300, generator=torch.Generator().manual_seed(0)) * 3
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, top_p=0.8),

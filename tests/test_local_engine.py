@@ -428,7 +428,7 @@ def test_set_version_relabels_new_tokens(tiny_model_dir):
 def test_rows_that_truncate_and_rows_that_do_not_sample_as_they_would_alone():
     """Only rows with top-k/top-p/min-p are truncated (the sort is skipped for the others);
     each row's token is the one it would draw in a batch of its own."""
-    from areal_flow.inference.local import sample
+    from areal_flow.inference.sampling import sample
 
     logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(0)) * 3
     # a greedy row first, so sampled rows' positions differ from their batch indices
@@ -551,7 +551,7 @@ def test_an_interrupted_group_reprefills_its_prompt_once_and_samples_as_without_
 
 
 def test_sampled_tokens_follow_the_probabilities_and_stay_inside_the_truncation():
-    from areal_flow.inference.local import sample
+    from areal_flow.inference.sampling import sample
 
     n, logits = 20_000, torch.tensor([2.0, 1.0, 0.0, -1.0, -30.0, 0.5])
     params = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.5, top_k=2)]
@@ -567,7 +567,7 @@ def test_sampled_tokens_follow_the_probabilities_and_stay_inside_the_truncation(
 
 def kept(logits, **sampling) -> int:
     """How many tokens the sampler's truncation leaves possible for `logits`."""
-    from areal_flow.inference.local import truncate
+    from areal_flow.inference.sampling import truncate
 
     out = truncate(torch.tensor([logits]), [SamplingParams(**sampling)])
     return int(torch.isfinite(out).sum())
@@ -591,7 +591,7 @@ def test_every_boundary_of_the_truncation():
 
 
 def test_only_rows_with_a_truncation_option_are_truncated():
-    from areal_flow.inference.local import _truncates
+    from areal_flow.inference.sampling import _truncates
 
     assert not _truncates(SamplingParams())
     assert [_truncates(SamplingParams(**o)) for o in

@@ -4,6 +4,7 @@ given it by /load_lora_adapter) computes what the trainer's merged model compute
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 
@@ -335,7 +336,8 @@ def test_the_sglang_pool_swaps_adapters_and_catches_a_joining_server_up(trained,
     _, _, export = trained
     adapted, _ = greedy_reference(export)
     listing = tmp_path / "servers.txt"
-    with SGLangLauncher(tiny_model_dir, gpus=[0, 1], command=serve_command,
+    with SGLangLauncher(tiny_model_dir, gpus=[0, 1],
+                        command=functools.partial(serve_command, dtype="float32"),
                         extra_args=lora_args("areal-flow", LoraConfig(rank=4))) as servers:
         a, b = servers.addresses
         write_addresses(listing, a)

@@ -4,6 +4,7 @@ weights the servers hold with its own, and two runs never write weights into one
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -142,7 +143,8 @@ def test_a_run_attaching_to_a_server_replaces_its_weights_and_waits_its_turn(
     expected = completions(tmp_path / "launched")
 
     # a server that outlives runs, holding another run's weights
-    with SGLangLauncher(other_weights, gpus=[0], command=serve_command) as server:
+    with SGLangLauncher(other_weights, gpus=[0],
+                        command=functools.partial(serve_command, dtype="float32")) as server:
         address = server.addresses[0]
         attached = ["--inference.backend", "sglang", "--inference.addresses", address]
         # a first run holds the server while it trains ...

@@ -9,6 +9,7 @@ to two `areal-flow serve` processes; a third-party pool passes it by adding a `B
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +26,8 @@ from areal_flow.inference.sglang_pool import SGLangPool
 from areal_flow.types import Completion, GenerationPool, GenerationRequest, SamplingParams, WeightUpdate
 from tests.test_local_engine import forward_logprobs, greedy_reference, perturbed, prompts
 from tests.test_protocol_server import wait_for
+
+FP32_SERVE = functools.partial(serve_command, dtype="float32")
 
 
 @attrs.define
@@ -103,7 +106,8 @@ def models(model_dirs):
 @pytest.fixture(scope="module")
 def served(tiny_model_dir):
     """Two `areal-flow serve` processes, started with the SGLang launcher."""
-    with SGLangLauncher(tiny_model_dir, gpus=[0, 1], command=serve_command) as launcher:
+    # float32: the references are fp32 forwards, and "auto" measures (it may pick bf16)
+    with SGLangLauncher(tiny_model_dir, gpus=[0, 1], command=FP32_SERVE) as launcher:
         yield launcher.addresses
 
 

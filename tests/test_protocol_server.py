@@ -518,7 +518,7 @@ def served(tiny_model_dir):
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "areal_flow.cli", "serve", "--model", str(tiny_model_dir),
-         "--port", str(port)],
+         "--port", str(port), "--dtype", "float32"],
         env=dict(os.environ, OMP_NUM_THREADS="1"),
     )
     url = f"http://127.0.0.1:{port}"

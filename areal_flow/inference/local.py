@@ -30,9 +30,11 @@ from typing import Literal
 
 import attrs
 import torch
-import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from areal_flow.inference import packed_weights
+from areal_flow.inference.kv_batch import KVBatch, left_padded, positions
+from areal_flow.inference.sampling import sample
 from areal_flow.lora import add_adapters, is_adapter, load_adapter, same_shape
 from areal_flow.types import Completion, FinishReason, GenerationRequest, WeightUpdate
 from areal_flow.runtime.precision import CHOICES, choose
@@ -97,6 +99,10 @@ class LocalEngine:
         share_prefix: prefill a prompt shared by requests admitted together once (off: each
             request prefills its whole context, for comparisons).
         threads: intra-op threads of the engine thread (None: the process's torch default).
+        kv_slots: keep each layer's KV cache in buffers with room to grow, so a decode step
+            writes its column in place (off: transformers' concatenation, for comparisons).
+        pack_weights: bf16 on a CPU: linear layers read weights prepacked for oneDNN once per
+            update instead of repacked every call (`packed_weights`; off: for comparisons).
     """
 
     def __init__(
@@ -110,6 +116,8 @@ class LocalEngine:
         version: int = 0,
         share_prefix: bool = True,
         threads: int | None = None,
+        kv_slots: bool = True,
+        pack_weights: bool = True,
     ):
         if dtype not in CHOICES:
             raise ValueError(f"'dtype' must be one of {', '.join(CHOICES)}: {dtype!r}")
@@ -127,6 +135,8 @@ class LocalEngine:
         ).to(self.device).eval()
         self.max_batch_size = max_batch_size
         self.share_prefix = share_prefix
+        self.pack_weights = pack_weights and packed_weights.available(self.model.dtype,
+                                                                      self.device)
         self.max_length = getattr(self.model.config, "max_position_embeddings", None)
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
         eos = self.model.generation_config.eos_token_id
@@ -147,6 +157,7 @@ class LocalEngine:
         """Whether the model's tensors are another's (a `live` update kept them)."""
         self.adapter: dict | None = None
         """The PEFT config of the LoRA layers injected by the first adapter update, else None."""
+        self._repack()
 
         self._cv = threading.Condition()
         self._waiting: deque[_Sequence] = deque()
@@ -157,8 +168,7 @@ class LocalEngine:
         self._closing = False
         # Owned by the engine thread only:
         self._running: list[_Sequence] = []
-        self._cache: DynamicCache | None = None
-        self._mask: torch.Tensor | None = None
+        self._kv = KVBatch(self.model.config, slots=kv_slots)
         self._totals = _Counters()
         self._reported = (time.perf_counter(), _Counters())
         self.on_step: Callable[[LocalEngine], None] | None = None
@@ -265,7 +275,9 @@ class LocalEngine:
         self.pause()
         try:
             if update.lora is not None:
-                return self._update_adapter(update)
+                kept = self._update_adapter(update)
+                self._repack()
+                return kept
             if update.state_dict is not None:
                 state = update.state_dict
             elif update.path is not None:
@@ -287,6 +299,7 @@ class LocalEngine:
             self._shared = kept
             self._received = received if update.version == self._version else set()
             self._version = update.version
+            self._repack()
         finally:
             if not was_paused:
                 self.resume()
@@ -334,9 +347,19 @@ class LocalEngine:
                 for name, tensor in self.model.state_dict().items():
                     if ".lora_B." in name:
                         tensor.zero_()
+            self._repack()
         finally:
             if not was_paused:
                 self.resume()
+
+    def _repack(self) -> None:
+        """Packed copies of the weights as they are now (called paused, after every change).
+        Tensors kept from a `live` update are their owner's, who may change them in place: the
+        layers read those directly."""
+        if self.pack_weights and not self._shared:
+            packed_weights.pack(self.model)
+        else:
+            packed_weights.unpack(self.model)
 
     def _own_tensors(self) -> None:
         """Copies of tensors kept from a `live` update, before writing into them: never write
@@ -409,12 +432,14 @@ class LocalEngine:
             except Exception as exc:  # fail the affected requests instead of hanging them
                 for seq in [*admitted, *self._running]:
                     _settle(seq.future, exc)
-                self._running, self._cache, self._mask = [], None, None
+                self._running = []
+                self._kv.clear()
 
     def _interrupt_locked(self) -> None:
         self._totals.interruptions += len(self._running)
         self._waiting.extendleft(reversed(self._running))
-        self._running, self._cache, self._mask = [], None, None
+        self._running = []
+        self._kv.clear()
 
     def _drain_aborts_locked(self) -> None:
         if not self._abort:
@@ -442,8 +467,8 @@ class LocalEngine:
         group = {i: g for g, rows in enumerate(members) for i in rows}
         prefixes = [commonprefix([contexts[i] for i in rows]) for rows in members]  # any sequences
         cut = [len(prefixes[group[i]]) for i in range(len(admitted))]
-        ids, mask = self._left_padded(prefixes)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask),
+        ids, mask = left_padded(prefixes, self.pad_token_id, self.device)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions(mask),
                          use_cache=True, logits_to_keep=1)  # only the last position samples
         whole = [i for i, c in enumerate(contexts) if len(c) == cut[i]]
         rest = [i for i, c in enumerate(contexts) if len(c) > cut[i]]
@@ -451,21 +476,22 @@ class LocalEngine:
         if whole:  # the prefix is the whole context: copy its row and logits for each request
             rows = [group[i] for i in whole]
             if rows == list(range(len(prefixes))):
-                self._merge(out.past_key_values, mask, [admitted[i] for i in whole])
+                self._join(out.past_key_values, mask, [admitted[i] for i in whole])
             else:
-                self._merge(*self._rows(out.past_key_values, mask, rows),
-                            [admitted[i] for i in whole])
+                self._join(*self._kv.rows(out.past_key_values, mask, rows),
+                           [admitted[i] for i in whole])
             logits.append(out.logits[rows, -1])
         suffixes = [contexts[i][cut[i]:] for i in rest]
         if rest:  # the rest of each context runs after a copy of its group's prefix rows
-            cache, prefix_mask = self._rows(out.past_key_values, mask, [group[i] for i in rest])
-            ids, suffix_mask = self._left_padded(suffixes)
+            cache, prefix_mask = self._kv.rows(out.past_key_values, mask,
+                                               [group[i] for i in rest])
+            ids, suffix_mask = left_padded(suffixes, self.pad_token_id, self.device)
             # left padding of the suffixes leaves masked columns between prefix and suffix
             mask = torch.cat([prefix_mask, suffix_mask], dim=1)
             out = self.model(input_ids=ids, attention_mask=mask,
-                             position_ids=_positions(mask)[:, -ids.shape[1]:],
+                             position_ids=positions(mask)[:, -ids.shape[1]:],
                              past_key_values=cache, use_cache=True, logits_to_keep=1)
-            self._merge(out.past_key_values, mask, [admitted[i] for i in rest])
+            self._join(out.past_key_values, mask, [admitted[i] for i in rest])
             logits.append(out.logits[:, -1])
         ran = sum(map(len, prefixes)) + sum(map(len, suffixes))
         self._totals.prefilled += ran
@@ -476,27 +502,12 @@ class LocalEngine:
             len(p) for p, rows in zip(prefixes, members) if any(admitted[i].tokens for i in rows))
         self._sample_and_advance(torch.cat(logits), first_row=len(self._running) - len(admitted))
 
-    def _left_padded(self, seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Token ids and attention mask of `seqs`, left-padded to the longest, on the device."""
-        width = max(map(len, seqs))
-        ids = torch.full((len(seqs), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(seqs), width), dtype=torch.long)
-        for i, seq in enumerate(seqs):
-            ids[i, width - len(seq):] = torch.tensor(seq)
-            mask[i, width - len(seq):] = 1
-        return ids.to(self.device), mask.to(self.device)
-
     def _decode(self) -> None:
         last = torch.tensor([[seq.tokens[-1]] for seq in self._running], device=self.device)
-        self._mask = torch.cat([self._mask, self._mask.new_ones((len(self._running), 1))], dim=1)
-        out = self.model(
-            input_ids=last,
-            attention_mask=self._mask,
-            position_ids=self._mask.sum(1, keepdim=True) - 1,  # masked columns hold no position
-            past_key_values=self._cache,
-            use_cache=True,
-        )
-        self._cache = out.past_key_values
+        mask, position_ids = self._kv.next_column()
+        out = self.model(input_ids=last, attention_mask=mask, position_ids=position_ids,
+                         past_key_values=self._kv.cache, use_cache=True)
+        self._kv.cache = out.past_key_values
         self._sample_and_advance(out.logits[:, -1], first_row=0)
 
     def _sample_and_advance(self, logits: torch.Tensor, first_row: int) -> None:
@@ -539,49 +550,18 @@ class LocalEngine:
         self._totals.finished += 1
         _settle(seq.future, completion)
 
-    # -- the batch KV cache -------------------------------------------------------------
+    # -- the running batch ---------------------------------------------------------------
 
-    def _merge(self, cache: DynamicCache, mask: torch.Tensor, admitted: list[_Sequence]) -> None:
-        """Append prefilled rows to the running batch; both are left-padded, so align right."""
-        if self._cache is None:
-            self._cache, self._mask, self._running = cache, mask, list(admitted)
-            return
+    def _join(self, cache, mask: torch.Tensor, admitted: list[_Sequence]) -> None:
+        """Prefilled rows join the running batch (its KV rows and its list alike)."""
+        self._kv.append(cache, mask)
         # lists are replaced, never mutated: abort() may read them from another thread
-        width = max(self._mask.shape[1], mask.shape[1])
-
-        def left_pad(t: torch.Tensor, dim: int) -> torch.Tensor:
-            missing = width - t.shape[dim]
-            if missing == 0:
-                return t
-            pad = [0, 0] * (t.dim() - 1 - dim) + [missing, 0]
-            return F.pad(t, pad)
-
-        layers = [
-            (torch.cat([left_pad(a.keys, 2), left_pad(b.keys, 2)]),
-             torch.cat([left_pad(a.values, 2), left_pad(b.values, 2)]))
-            for a, b in zip(self._cache.layers, cache.layers)
-        ]
-        self._cache = DynamicCache(ddp_cache_data=layers, config=self.model.config)
-        self._mask = torch.cat([left_pad(self._mask, 1), left_pad(mask, 1)])
         self._running = [*self._running, *admitted]
 
     def _keep(self, rows: list[int]) -> None:
-        """Keep only `rows` of the running batch and drop padding columns nobody needs."""
+        """Keep only `rows` of the running batch."""
         self._running = [self._running[i] for i in rows]
-        if not rows:
-            self._cache, self._mask = None, None
-            return
-        start = int(self._mask[rows].any(0).nonzero()[0])
-        self._cache, self._mask = self._rows(self._cache, self._mask, rows, start)
-
-    def _rows(self, cache: DynamicCache, mask: torch.Tensor, rows: list[int], start: int = 0):
-        """The cache and mask of `rows` (a row may repeat: copies of a shared prefix), from
-        column `start` on."""
-        index = torch.tensor(rows, device=self.device)
-        layers = [(layer.keys.index_select(0, index)[:, :, start:],
-                   layer.values.index_select(0, index)[:, :, start:]) for layer in cache.layers]
-        return (DynamicCache(ddp_cache_data=layers, config=self.model.config),
-                mask.index_select(0, index)[:, start:])
+        self._kv.keep(rows)
 
     def _covered(self, names: set[str], version: int) -> set[str]:
         """The names received with this update's; refuses an update that names no tensor or one
@@ -619,11 +599,6 @@ class LocalEngine:
             raise ValueError(f"weights do not fit the model: {exc}") from exc
 
 
-def _positions(mask: torch.Tensor) -> torch.Tensor:
-    """Position ids of a left-padded batch: masked columns do not count."""
-    return (mask.cumsum(1) - 1).clamp(min=0)
-
-
 def _some(names: set[str]) -> str:
     """The first few of `names` and how many there are (a model has hundreds)."""
     return f"{sorted(names)[:5]} ({len(names)} in all)"
@@ -654,62 +629,3 @@ class _Counters:
     """Context tokens whose prefill was saved by sharing a prefix."""
     finished: int = 0
     interruptions: int = 0
-
-
-def sample(
-    logits: torch.Tensor,
-    params: list,
-    generators: list[torch.Generator | None],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row with each row's own sampling settings.
-
-    Returns the tokens and their behavior logprobs ``log_softmax(logits / T)`` over the full
-    vocabulary (T = 1 for greedy rows), taken before top-k/top-p/min-p truncation.
-    """
-    temperature = torch.tensor([p.logprob_temperature for p in params], device=logits.device)
-    scaled = logits / temperature[:, None]
-    logprobs = torch.log_softmax(scaled, dim=-1)
-    sampled = [i for i, p in enumerate(params) if not p.greedy]
-    # argmax is another pass over the vocabulary: skipped when no row is greedy (RL batches)
-    tokens = (logits.argmax(dim=-1) if len(sampled) < len(params)
-              else torch.zeros(len(params), dtype=torch.long, device=logits.device))
-    if sampled:
-        probs = logprobs[sampled].exp()  # softmax(logits / T) already, for untruncated rows
-        # truncation sorts the whole vocabulary: only for rows that ask for it
-        cut = [row for row, i in enumerate(sampled) if _truncates(params[i])]
-        if cut:
-            kept = truncate(scaled[sampled][cut], [params[sampled[row]] for row in cut])
-            probs[cut] = torch.softmax(kept, dim=-1)
-        # Inverse CDF: one uniform per row from the row's own CPU generator (so a seed gives
-        # the same tokens in any batch and on any device), searched in the cumulative
-        # probabilities where they are; torch.multinomial drew an exponential per vocabulary
-        # entry on the CPU, and a row at a time. In float64, u·total stays strictly below the
-        # total, so the token found (first cdf > u·total) always has a positive probability.
-        u = torch.cat([torch.rand(1, generator=generators[i]) for i in sampled])
-        cdf = probs.double().cumsum(-1)
-        x = u.to(cdf)[:, None] * cdf[:, -1:]
-        tokens[sampled] = torch.searchsorted(cdf, x, right=True)[:, 0]
-    return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
-
-
-def _truncates(p) -> bool:
-    return p.top_k > 0 or p.top_p < 1 or p.min_p > 0
-
-
-def truncate(scaled: torch.Tensor, params: list) -> torch.Tensor:
-    """Mask (to -inf) tokens outside each row's top-k, top-p nucleus and min-p floor."""
-    probs = torch.softmax(scaled, dim=-1)
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    rank = torch.arange(scaled.shape[-1], device=scaled.device)[None, :]
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else scaled.shape[-1] for p in params],
-                         device=scaled.device)
-    top_p = torch.tensor([p.top_p for p in params], device=scaled.device)
-    min_p = torch.tensor([p.min_p for p in params], device=scaled.device)
-    # a token is dropped when the tokens ranked above it hold more than top_p of the mass (as
-    # SGLang's torch sampler: the token that crosses top_p exactly is kept)
-    mass_above = sorted_probs.cumsum(-1) - sorted_probs
-    drop_sorted = (rank >= top_k[:, None]) | ((mass_above > top_p[:, None]) & (top_p[:, None] < 1))
-    drop_sorted |= sorted_probs < (min_p * sorted_probs[:, 0])[:, None]
-    drop_sorted[:, 0] = False  # the most likely token always survives
-    drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
-    return scaled.masked_fill(drop, float("-inf"))

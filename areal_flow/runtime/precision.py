@@ -70,7 +70,7 @@ class Precision:
         return f"{self.dtype}, measured ({timings} for a {m}x{k}x{n} GEMM{weights})"
 
 
-_measured: dict[tuple, dict[str, float]] = {}
+_measured: dict[tuple, Any] = {}  # probe timings per (device, shape); bandwidth per device
 
 
 def choose(dtype: str, model: str | Path, *, purpose: Literal["train", "decode"],
@@ -150,6 +150,27 @@ def _seconds(shape: tuple[int, int, int, int], device: torch.device,
             took = timed(name)
             best[name], spent = min(best[name], took), spent + took
     return best
+
+
+def read_bandwidth(device: torch.device | str = "cpu") -> float:
+    """Bytes per second read from memory: the fastest of a few copies of a 256 MB tensor (it
+    reads as many bytes as it writes; a decode step mostly reads). The denominator of MBU: a
+    decode step cannot take less than the weights' bytes over this. Measured once a process."""
+    device = torch.device(device)
+    key = (str(device), "bandwidth")
+    if key not in _measured:
+        source = torch.ones(DECODE_BYTES // 4, device=device)
+        target = torch.empty_like(source)
+        sync = SYNCHRONIZE.get(device.type, lambda: None)
+        best = float("inf")
+        for _ in range(5):
+            sync()
+            start = time.perf_counter()
+            target.copy_(source)
+            sync()
+            best = min(best, time.perf_counter() - start)
+        _measured[key] = DECODE_BYTES / best
+    return _measured[key]
 
 
 def measured(cfg: Any, model: str, *engines: tuple[str, Any],

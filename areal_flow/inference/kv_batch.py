@@ -1,0 +1,139 @@
+"""The running batch's KV cache and attention mask.
+
+Rows are left-padded so that every sequence's next token goes in the same column: one decode
+step feeds one token per row, whatever each row's length. Admitting requests appends rows
+(right-aligned with the batch); finishing ones removes them and drops the padding columns no
+row needs any more.
+
+With `slots`, each layer's keys and values live in buffers with room for more columns, and a
+decode step writes its column in place; without, a step concatenates (copies) the whole cache
+of every layer, as transformers' `DynamicCache` does: at batch 8 and 300 tokens of context that
+is ~55 MB copied per step on SmolLM2-135M.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+GROW = 64
+"""Columns of room added beyond what a slot layer needs when it grows (it at least doubles)."""
+
+
+class SlotLayer(DynamicLayer):
+    """A `DynamicLayer` whose keys and values are views of larger buffers: appending columns
+    writes them in place, and the buffers grow (doubling) only when full."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        old = self.get_seq_length()
+        new = old + key_states.shape[-2]
+        if old == 0 or new > self._room_keys.shape[-2]:
+            self._grow(key_states, value_states, old, new)
+        self._room_keys[:, :, old:new] = key_states
+        self._room_values[:, :, old:new] = value_states
+        self.keys, self.values = self._room_keys[:, :, :new], self._room_values[:, :, :new]
+        return self.keys, self.values
+
+    def _grow(self, key_states: torch.Tensor, value_states: torch.Tensor, old: int,
+              new: int) -> None:
+        width = max(2 * old, new + GROW)
+        keys = key_states.new_empty((*key_states.shape[:2], width, key_states.shape[3]))
+        values = value_states.new_empty((*value_states.shape[:2], width, value_states.shape[3]))
+        if old:
+            keys[:, :, :old] = self.keys
+            values[:, :, :old] = self.values
+        self._room_keys, self._room_values = keys, values
+
+
+class KVBatch:
+    """The KV cache (`cache`, transformers' own `DynamicCache`) and the attention mask (`mask`,
+    1 for a real token, 0 for padding) of the running rows, in the order of the engine's list
+    of running sequences."""
+
+    def __init__(self, config, slots: bool = True):
+        self.config = config
+        self.slots = slots
+        self.cache: DynamicCache | None = None
+        self.mask: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return 0 if self.mask is None else self.mask.shape[0]
+
+    def clear(self) -> None:
+        self.cache, self.mask = None, None
+
+    def wrap(self, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
+        """A cache over these per-layer (keys, values); with slots, its plain layers get room to
+        grow in place (other kinds, e.g. sliding-window layers, stay as they are)."""
+        cache = DynamicCache(ddp_cache_data=layers, config=self.config)
+        if self.slots:
+            for i, layer in enumerate(cache.layers):
+                if type(layer) is DynamicLayer:
+                    slot = SlotLayer()
+                    slot.update(layer.keys, layer.values)
+                    cache.layers[i] = slot
+        return cache
+
+    def rows(self, cache: DynamicCache, mask: torch.Tensor, rows: list[int], start: int = 0
+             ) -> tuple[DynamicCache, torch.Tensor]:
+        """The cache and mask of `rows` (a row may repeat: copies of a shared prefix), from
+        column `start` on."""
+        index = torch.tensor(rows, device=mask.device)
+        layers = [(layer.keys.index_select(0, index)[:, :, start:],
+                   layer.values.index_select(0, index)[:, :, start:]) for layer in cache.layers]
+        return self.wrap(layers), mask.index_select(0, index)[:, start:]
+
+    def append(self, cache: DynamicCache, mask: torch.Tensor) -> None:
+        """Add prefilled rows after the running ones; both are left-padded, so align right."""
+        if self.cache is None:
+            self.cache, self.mask = self.wrap([(a.keys, a.values) for a in cache.layers]), mask
+            return
+        width = max(self.mask.shape[1], mask.shape[1])
+
+        def left_pad(t: torch.Tensor, dim: int) -> torch.Tensor:
+            missing = width - t.shape[dim]
+            if missing == 0:
+                return t
+            return F.pad(t, [0, 0] * (t.dim() - 1 - dim) + [missing, 0])
+
+        self.cache = self.wrap([
+            (torch.cat([left_pad(a.keys, 2), left_pad(b.keys, 2)]),
+             torch.cat([left_pad(a.values, 2), left_pad(b.values, 2)]))
+            for a, b in zip(self.cache.layers, cache.layers)])
+        self.mask = torch.cat([left_pad(self.mask, 1), left_pad(mask, 1)])
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep only `rows`, and drop the padding columns none of them needs."""
+        if not rows:
+            self.clear()
+            return
+        start = int(self.mask[rows].any(0).nonzero()[0])
+        self.cache, self.mask = self.rows(self.cache, self.mask, rows, start)
+
+    def next_column(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Open the column every row's next token goes in: the mask with it, and the tokens'
+        positions (masked columns hold no position)."""
+        self.mask = torch.cat([self.mask, self.mask.new_ones((len(self), 1))], dim=1)
+        return self.mask, self.mask.sum(1, keepdim=True) - 1
+
+
+def left_padded(seqs: list[list[int]], pad_token_id: int, device: torch.device
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and attention mask of `seqs`, left-padded to the longest, on the device."""
+    width = max(map(len, seqs))
+    ids = torch.full((len(seqs), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, seq in enumerate(seqs):
+        ids[i, width - len(seq):] = torch.tensor(seq)
+        mask[i, width - len(seq):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def positions(mask: torch.Tensor) -> torch.Tensor:
+    """Position ids of a left-padded batch: masked columns do not count."""
+    return (mask.cumsum(1) - 1).clamp(min=0)

@@ -1,0 +1,65 @@
+"""Sampling one token per running sequence, each with its own settings and generator, and the
+behavior log-probability the trainer's importance weights need."""
+
+from __future__ import annotations
+
+import torch
+
+
+def sample(
+    logits: torch.Tensor,
+    params: list,
+    generators: list[torch.Generator | None],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row with each row's own sampling settings.
+
+    Returns the tokens and their behavior logprobs ``log_softmax(logits / T)`` over the full
+    vocabulary (T = 1 for greedy rows), taken before top-k/top-p/min-p truncation.
+    """
+    temperature = torch.tensor([p.logprob_temperature for p in params], device=logits.device)
+    scaled = logits / temperature[:, None]
+    logprobs = torch.log_softmax(scaled, dim=-1)
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    # argmax is another pass over the vocabulary: skipped when no row is greedy (RL batches)
+    tokens = (logits.argmax(dim=-1) if len(sampled) < len(params)
+              else torch.zeros(len(params), dtype=torch.long, device=logits.device))
+    if sampled:
+        probs = logprobs[sampled].exp()  # softmax(logits / T) already, for untruncated rows
+        # truncation sorts the whole vocabulary: only for rows that ask for it
+        cut = [row for row, i in enumerate(sampled) if _truncates(params[i])]
+        if cut:
+            kept = truncate(scaled[sampled][cut], [params[sampled[row]] for row in cut])
+            probs[cut] = torch.softmax(kept, dim=-1)
+        # Inverse CDF: one uniform per row from the row's own CPU generator (so a seed gives
+        # the same tokens in any batch and on any device), searched in the cumulative
+        # probabilities where they are; torch.multinomial drew an exponential per vocabulary
+        # entry on the CPU, and a row at a time. In float64, u·total stays strictly below the
+        # total, so the token found (first cdf > u·total) always has a positive probability.
+        u = torch.cat([torch.rand(1, generator=generators[i]) for i in sampled])
+        cdf = probs.double().cumsum(-1)
+        x = u.to(cdf)[:, None] * cdf[:, -1:]
+        tokens[sampled] = torch.searchsorted(cdf, x, right=True)[:, 0]
+    return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
+
+
+def _truncates(p) -> bool:
+    return p.top_k > 0 or p.top_p < 1 or p.min_p > 0
+
+
+def truncate(scaled: torch.Tensor, params: list) -> torch.Tensor:
+    """Mask (to -inf) tokens outside each row's top-k, top-p nucleus and min-p floor."""
+    probs = torch.softmax(scaled, dim=-1)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    rank = torch.arange(scaled.shape[-1], device=scaled.device)[None, :]
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else scaled.shape[-1] for p in params],
+                         device=scaled.device)
+    top_p = torch.tensor([p.top_p for p in params], device=scaled.device)
+    min_p = torch.tensor([p.min_p for p in params], device=scaled.device)
+    # a token is dropped when the tokens ranked above it hold more than top_p of the mass (as
+    # SGLang's torch sampler: the token that crosses top_p exactly is kept)
+    mass_above = sorted_probs.cumsum(-1) - sorted_probs
+    drop_sorted = (rank >= top_k[:, None]) | ((mass_above > top_p[:, None]) & (top_p[:, None] < 1))
+    drop_sorted |= sorted_probs < (min_p * sorted_probs[:, 0])[:, None]
+    drop_sorted[:, 0] = False  # the most likely token always survives
+    drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+    return scaled.masked_fill(drop, float("-inf"))

@@ -1,0 +1,148 @@
+"""The local engine's decode step against a bare transformers loop and the weight-read bound.
+
+At batch 8 and 16 on SmolLM2-135M (its packaged weights when installed, else a random model of
+its shape), in fp32 and, where the CPU has fast bf16, in bf16:
+  bare            — `../shared/anchors/bare_decode.py`'s loop: 60-token prompts prefilled once,
+                    then the argmax token of every row fed back with transformers' KV cache
+  engine          — `LocalEngine`, the same prompts submitted at once, sampled at T = 1 with a
+                    seed each (sampling, stop checks and log-probs included), EOS ignored
+  engine, X off   — the engine with one optimisation switched off (`kv_slots`, `pack_weights`)
+A step's time is the gap between two engine steps (`on_step`), or two calls of the bare loop;
+the table gives the median and the spread (p90, max), tokens/s at the median, the step against
+the bare loop's (speed-up), and MBU: the bytes of the weights over the measured read bandwidth,
+divided by the step (the fraction of the weight-read bound a step reaches). Every number comes
+from this one invocation.
+
+    python benchmarks/decode.py [--quick] [--out benchmarks/results/decode.json]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from areal_flow.inference.local import LocalEngine
+from areal_flow.runtime import precision
+from areal_flow.testing.tiny_model import build_tiny_model
+from areal_flow.types import GenerationRequest, SamplingParams
+from common import machine_line, main, markdown_table
+from engine import in_own_thread, smollm2_sized
+
+PROMPT, WARMUP = 60, 3
+OPTIONS = {"engine": {}, "engine, kv_slots off": {"kv_slots": False},
+           "engine, pack_weights off": {"pack_weights": False}}
+
+
+def smollm2(tmp: Path) -> tuple[str, Path]:
+    """SmolLM2-135M-Instruct's packaged weights when the `demo` extra is installed, else a random
+    model of its shape (the speed is the same)."""
+    try:
+        from areal_flow.data.offline import packaged_smollm2
+
+        return "SmolLM2-135M-Instruct", Path(packaged_smollm2())
+    except Exception:  # noqa: BLE001 - the extra is optional
+        return "SmolLM2-135M shape (random)", in_own_thread(smollm2_sized, tmp / "smol")
+
+
+def prompts(batch: int, vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(batch)
+    return torch.randint(100, min(vocab, 1000), (batch, PROMPT), generator=g).tolist()
+
+
+def bare(path: Path, dtype: str, batch: int, steps: int) -> list[float]:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype),
+                                                 attn_implementation="sdpa").eval()
+    ids = torch.tensor(prompts(batch, model.config.vocab_size))
+    times = []
+    with torch.inference_mode():
+        out = model(ids, use_cache=True)
+        cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        for _ in range(WARMUP + steps):
+            start = time.perf_counter()
+            out = model(token, past_key_values=cache, use_cache=True)
+            cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+            times.append(time.perf_counter() - start)
+    return times[WARMUP:]
+
+
+def engine(path: Path, dtype: str, batch: int, steps: int, **options) -> list[float]:
+    engine = LocalEngine(path, dtype=dtype, max_batch_size=batch, **options)
+    stamps: list[float] = []
+    try:
+        requests = [GenerationRequest(input_ids=p, sampling=SamplingParams(
+            max_new_tokens=1 + WARMUP + steps, temperature=1.0, ignore_eos=True, seed=i))
+            for i, p in enumerate(prompts(batch, engine.vocab_size))]
+
+        async def serve():
+            return await asyncio.gather(*(engine.generate(r) for r in requests))
+
+        asyncio.run(serve())  # warm-up: allocations, oneDNN's kernel choices
+        engine.on_step = lambda _: stamps.append(time.perf_counter())
+        asyncio.run(serve())
+    finally:
+        engine.close()
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])]  # the first stamp ends the prefill
+    return gaps[WARMUP:]
+
+
+def weight_bytes(path: Path, dtype: str) -> int:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
+
+
+def run(quick: bool = False) -> dict:
+    steps = 8 if quick else 24
+    with tempfile.TemporaryDirectory() as tmp:
+        if quick:
+            name, path = "tiny", in_own_thread(build_tiny_model, Path(tmp) / "tiny")
+        else:
+            name, path = smollm2(Path(tmp))
+        fast_bf16 = precision.choose("auto", path, purpose="decode").dtype == "bfloat16"
+        dtypes = ("float32", "bfloat16") if fast_bf16 else ("float32",)
+        bandwidth = precision.read_bandwidth()
+        rows = []
+        for dtype in dtypes:
+            size = weight_bytes(path, dtype)
+            for batch in (8, 16):
+                times = {"bare": in_own_thread(bare, path, dtype, batch, steps)}
+                for label, options in OPTIONS.items():
+                    if label.startswith("engine, pack") and dtype != "bfloat16":
+                        continue  # packing is for bf16 only
+                    times[label] = in_own_thread(engine, path, dtype, batch, steps, **options)
+                base = statistics.median(times["bare"])
+                for label, seconds in times.items():
+                    median = statistics.median(seconds)
+                    rows.append({
+                        "dtype": dtype, "batch": batch, "method": label,
+                        "median_ms": median * 1e3,
+                        "p90_ms": statistics.quantiles(seconds, n=10)[-1] * 1e3,
+                        "max_ms": max(seconds) * 1e3, "tokens_per_s": batch / median,
+                        "speedup_vs_bare": base / median,
+                        "mbu": size / bandwidth / median, "weight_bytes": size})
+    return {"benchmark": "decode", "model": name, "machine": machine_line(),
+            "read_bandwidth_gbs": bandwidth / 1e9, "steps": steps, "prompt_tokens": PROMPT,
+            "torch_threads": torch.get_num_threads(), "rows": rows}
+
+
+def show(result: dict) -> None:
+    print(f"decode steps, {result['model']}: {result['machine']}; read bandwidth "
+          f"{result['read_bandwidth_gbs']:.1f} GB/s; {result['prompt_tokens']}-token prompts, "
+          f"{result['steps']} steps timed\n")
+    print(markdown_table(
+        ["dtype", "batch", "method", "median ms", "p90 ms", "max ms", "tokens/s",
+         "vs bare", "MBU"],
+        [[r["dtype"], r["batch"], r["method"], f"{r['median_ms']:.1f}", f"{r['p90_ms']:.1f}",
+          f"{r['max_ms']:.1f}", f"{r['tokens_per_s']:.0f}", f"{r['speedup_vs_bare']:.2f}x",
+          f"{r['mbu']:.0%}"] for r in result["rows"]]))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count()))
+    main(__doc__, run, show, "decode")
