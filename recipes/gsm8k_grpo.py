@@ -79,7 +79,7 @@ def main(cfg: Config) -> None:
         **({"distill/reverse_kl": "reverse KL"} if teacher else {}),
         "eval/reward": "eval reward", "eval/task_metrics": "eval ",
         "reward_runner/failure_rate": "reward fails", "tokens_per_second": "tok/s",
-        "perf/mfu": "MFU",
+        "perf/mfu": "MFU", "perf/decode_mbu": "decode MBU",
         "staleness/mean": "staleness", "seconds/step": "s/step"})
     if rank == 0:
         run.truncate_after(start)
@@ -149,6 +149,8 @@ def main(cfg: Config) -> None:
                     tokens = batch["attention_mask"].sum().item()
                     metrics["tokens_per_second"] = tokens / metrics["seconds/step"]
                     metrics["perf/mfu"] = trainer.mfu(tokens, metrics["seconds/train"])
+                    if "pool/decode_mbu" in metrics:  # an in-process engine's (servers: SGLang's)
+                        metrics["perf/decode_mbu"] = metrics.pop("pool/decode_mbu")
                     if cfg.eval_size and ((step + 1) % cfg.eval_every == 0 or last):
                         metrics.update(gsm8k_rl.evaluate(cfg, scheduler, eval_rows))
                     run.log_metrics(step + 1, metrics)

@@ -286,6 +286,21 @@ def test_stats_count_tokens_since_the_last_call(engine):
     assert engine.stats()["generated_tokens"] == 0
 
 
+def test_stats_count_decode_steps_and_the_fraction_of_the_weight_read_bound(engine):
+    engine.stats()
+    outs = generate_together(engine, [request(p, temperature=0, max_new_tokens=7,
+                                              ignore_eos=True) for p in prompts(3)])
+    assert [len(o.token_ids) for o in outs] == [7, 7, 7]
+    stats = engine.stats()
+    assert stats["decode_steps"] == 6  # the prefill samples each first token
+    # a step reads every weight once at least (a tied embedding is one tensor): it cannot
+    # beat the weights' bytes over the bandwidth
+    assert engine.weight_bytes == sum(p.numel() * p.element_size()
+                                      for p in engine.model.parameters())
+    assert 0 < stats["decode_mbu"] < 1
+    assert engine.stats()["decode_steps"] == 0
+
+
 def test_a_bucket_of_tensors_updates_only_those(tiny_model_dir):
     engine = LocalEngine(tiny_model_dir)
     try:

@@ -37,7 +37,7 @@ from areal_flow.inference.kv_batch import KVBatch, left_padded, positions
 from areal_flow.inference.sampling import sample
 from areal_flow.lora import add_adapters, is_adapter, load_adapter, same_shape
 from areal_flow.types import Completion, FinishReason, GenerationRequest, WeightUpdate
-from areal_flow.runtime.precision import CHOICES, choose
+from areal_flow.runtime.precision import CHOICES, choose, read_bandwidth
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -139,6 +139,11 @@ class LocalEngine:
                                                                       self.device)
         self.max_length = getattr(self.model.config, "max_position_embeddings", None)
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
+        # what a decode step must read at least (tied tensors once), and how fast it can be read
+        storages = {t.data_ptr(): t.numel() * t.element_size()
+                    for t in self.model.state_dict().values()}
+        self.weight_bytes = sum(storages.values())
+        self.read_bandwidth = read_bandwidth(self.device)
         eos = self.model.generation_config.eos_token_id
         eos = eos if isinstance(eos, list) else [eos]
         self.eos_token_ids = {t for t in [*eos, self.tokenizer.eos_token_id] if t is not None}
@@ -383,6 +388,11 @@ class LocalEngine:
             "reprefill_tokens": delta["reprefilled"],
             "prefill_shared_tokens": delta["shared"],
             "tokens_per_s": delta["generated"] / max(now - then, 1e-9),
+            "decode_steps": delta["decode_steps"],
+            # the weight-read bound over the measured step: the fraction of the memory bandwidth
+            # decoding reaches (sampling and stop checks included in the step)
+            "decode_mbu": (self.weight_bytes * delta["decode_steps"] / self.read_bandwidth
+                           / delta["decode_seconds"]) if delta["decode_steps"] else 0.0,
             "finished": delta["finished"],
             "interruptions": delta["interruptions"],
             "running": len(self._running),
@@ -503,15 +513,18 @@ class LocalEngine:
         self._sample_and_advance(torch.cat(logits), first_row=len(self._running) - len(admitted))
 
     def _decode(self) -> None:
+        started = time.perf_counter()
         last = torch.tensor([[seq.tokens[-1]] for seq in self._running], device=self.device)
         mask, position_ids = self._kv.next_column()
         out = self.model(input_ids=last, attention_mask=mask, position_ids=position_ids,
                          past_key_values=self._kv.cache, use_cache=True)
         self._kv.cache = out.past_key_values
-        self._sample_and_advance(out.logits[:, -1], first_row=0)
+        self._sample_and_advance(out.logits[:, -1], first_row=0, decode_started=started)
 
-    def _sample_and_advance(self, logits: torch.Tensor, first_row: int) -> None:
-        """Sample one token for running rows from `first_row` on, record it, retire finished."""
+    def _sample_and_advance(self, logits: torch.Tensor, first_row: int,
+                            decode_started: float | None = None) -> None:
+        """Sample one token for running rows from `first_row` on, record it, retire finished.
+        A decode step (`decode_started`: when it began) is counted before anyone hears."""
         rows = self._running[first_row:]
         tokens, logprobs = sample(logits.float(), [s.request.sampling for s in rows],
                                   [s.generator for s in rows])
@@ -531,6 +544,9 @@ class LocalEngine:
                 done.append((seq, "length"))
             else:
                 keep.append(i)
+        if decode_started is not None:
+            self._totals.decode_steps += 1
+            self._totals.decode_seconds += time.perf_counter() - decode_started
         if done:
             self._keep(keep)  # leave the batch before the caller hears, so stats() agree
             for seq, reason in done:
@@ -629,3 +645,7 @@ class _Counters:
     """Context tokens whose prefill was saved by sharing a prefix."""
     finished: int = 0
     interruptions: int = 0
+    decode_steps: int = 0
+    """Forward passes that decoded one token for every running row."""
+    decode_seconds: float = 0.0
+    """Their time, sampling and stop checks included."""
