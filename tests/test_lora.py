@@ -137,7 +137,7 @@ def test_after_lora_steps_the_engine_generates_what_the_merged_model_does(traine
 def test_a_lora_policys_reference_is_its_own_base_model(trained, tiny_model_dir):
     """No second copy of the weights: the reference runs the policy with its adapter off, and
     the adapter is back on afterwards."""
-    from areal_flow.runtime.engine import BaseModelRole
+    from areal_flow.runtime.roles import BaseModelRole
 
     trainer, _, _ = trained
     batch = fixed_batch(trainer.model.config.vocab_size)

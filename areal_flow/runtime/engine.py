@@ -5,7 +5,9 @@ full batch; `train` scatters whole groups balanced by tokens, runs the algorithm
 and `advantages` (on rank 0, over the full batch), then its `loss` over micro-batches. Where
 the pieces live: the process group and the batch's way to the ranks and back in
 `distributed.py`, how rows are split into mini- and micro-batches in `microbatch.py`, the
-log-probs of the loss positions in `logprobs.py`, weight-update groups in `weight_sync.py`.
+log-probs of the loss positions in `logprobs.py`, the value model and a LoRA policy's base as
+its reference in `roles.py`, weight-update groups and the versioned weights folder in
+`weight_sync.py`.
 
 Loss normalisation: each micro-batch's `loss_sum` is back-propagated unscaled; once all
 micro-batches of an optimizer step are done, the normalizers are summed over micro-batches and
@@ -27,7 +29,7 @@ import torch.distributed as dist
 from attrs import validators as v
 from tensordict import TensorDict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from transformers import AutoModel, AutoModelForCausalLM, get_constant_schedule_with_warmup
+from transformers import AutoModelForCausalLM, get_constant_schedule_with_warmup
 
 from areal_flow.config import OptimizerConfig
 from areal_flow.lora import LoraConfig, add_adapters, is_adapter
@@ -37,6 +39,7 @@ from areal_flow.runtime.layout import PackedRows
 from areal_flow.runtime.logprobs import EntropyMode, LossPositions, loss_position_head
 from areal_flow.runtime.microbatch import micro_batches, minibatch_of_rows, split_to_count
 from areal_flow.runtime.precision import choose, gemm_rate
+from areal_flow.runtime.roles import BaseModelRole, ValueModel
 from areal_flow.types import Algorithm, ModelOutput, WeightUpdate
 
 
@@ -70,22 +73,23 @@ class TrainConfig:
     they are trained, checkpointed and sent to the generation pool (`areal_flow/lora.py`)."""
 
 
-class ValueModel(torch.nn.Module):
-    """A causal LM's backbone with a scalar head: one value per position."""
+@attrs.frozen(kw_only=True)
+class StepTotals:
+    """What an optimizer step adds up over its micro-batches (and then over ranks)."""
 
-    def __init__(self, path: str):
-        super().__init__()
-        self.backbone = AutoModel.from_pretrained(path, dtype=torch.float32)
-        self.head = torch.nn.Linear(self.backbone.config.hidden_size, 1)
-        torch.nn.init.zeros_(self.head.weight)
-        torch.nn.init.zeros_(self.head.bias)
-        self.config = self.backbone.config
-        self._no_split_modules = getattr(self.backbone, "_no_split_modules", None)
+    loss_sum: float
+    normalizer: float
+    """The sum of the micro-batches' normalizers (meaningful for summed units)."""
+    micro_batches: int
+    skipped_rows: int
+    """Rows whose advantages are all 0, given no forward or backward."""
+    tokens: int
 
-    def forward(self, **inputs):
-        hidden = self.backbone(**inputs).last_hidden_state
-        # a fresh tensor: FSDP warns that in-place ops on a returned view would skip its hooks
-        return self.head(hidden).squeeze(-1).clone()
+    def summed_over_ranks(self) -> StepTotals:
+        values = torch.tensor(attrs.astuple(self), dtype=torch.float64)
+        dist.all_reduce(values)
+        return StepTotals(**{name: type(getattr(self, name))(total) for name, total
+                             in zip(attrs.fields_dict(StepTotals), values.tolist())})
 
 
 class TrainEngine:
@@ -304,22 +308,22 @@ class TrainEngine:
         # decision below; a rank with only dummy passes has none
         kinds = [float(any(SUMMED_UNITS[u] for u in units)),
                  float(any(not SUMMED_UNITS[u] for u in units))]
-        totals = torch.tensor([loss_sum, summed, float(count), float(idle.batch_size[0]),
-                               float(tokens)], dtype=torch.float64)
-        dist.all_reduce(totals)
+        totals = StepTotals(loss_sum=loss_sum, normalizer=summed, micro_batches=count,
+                            skipped_rows=idle.batch_size[0], tokens=tokens).summed_over_ranks()
         flags = torch.tensor([peak, *kinds], dtype=torch.float64)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         if flags[1] > 0 and flags[2] > 0:
             raise ValueError("the loss returned both summed (tokens, sequences) and constant "
                              "normalizer units in one optimizer step: they cannot be combined")
-        if totals[2] + totals[3] == 0:  # no rank has a row: AdamW would move on momentum alone
+        if totals.micro_batches + totals.skipped_rows == 0:  # no rank has a row: AdamW would
+            # move on momentum alone
             return {"skipped_step": 1.0, "lr": self.scheduler.get_last_lr()[0]}
-        if totals[2] == 0:  # only skipped rows: the zero gradient they would have given
+        if totals.micro_batches == 0:  # only skipped rows: the zero gradient they would give
             for p in self.model.parameters():
                 if p.grad is None and p.requires_grad:
                     p.grad = torch.zeros_like(p)
         # tokens and sequences add up over micro-batches and ranks; a constant is what it is
-        total_norm = float(flags[0]) if flags[2] > 0 else float(totals[1])
+        total_norm = float(flags[0]) if flags[2] > 0 else totals.normalizer
         scale = self.world_size / total_norm if total_norm > 0 else 0.0
         for p in self.model.parameters():
             if p.grad is not None:
@@ -328,7 +332,7 @@ class TrainEngine:
                                                    self.config.optim.max_grad_norm)
         grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor")
                           else grad_norm)
-        loss = float(totals[0]) / total_norm if total_norm > 0 else 0.0
+        loss = totals.loss_sum / total_norm if total_norm > 0 else 0.0
         skipped = not (math.isfinite(grad_norm) and math.isfinite(loss))
         if skipped:
             problem = f"optimizer step {self.steps + 1}: loss {loss:g}, gradient norm {grad_norm:g}"
@@ -346,10 +350,10 @@ class TrainEngine:
         out = {"loss": loss,
                "grad_norm": grad_norm, "skipped_step": float(skipped),
                "lr": self.scheduler.get_last_lr()[0], "normalizer": total_norm,
-               "train/skipped_rows": float(totals[3]),
+               "train/skipped_rows": float(totals.skipped_rows),
                # packed micro-batches have no padding; how full their token budget is instead
-               "train/micro_batches": float(totals[2]),
-               "train/mb_fill": float(totals[4]) / max(float(totals[2]), 1.0)
+               "train/micro_batches": float(totals.micro_batches),
+               "train/mb_fill": totals.tokens / max(totals.micro_batches, 1)
                / self.config.max_tokens_per_mb}
         for key, value in sums.items():
             out[key] = value / max(count, 1)
@@ -390,10 +394,7 @@ class TrainEngine:
         per step. From then on each optimizer step pauses it (interrupting its requests, as an
         update does) and the next `sync_weights` resumes it under the new version, so call
         this after every `train`, as the recipes do."""
-        import shutil
         import time
-
-        from areal_flow.lora import save_adapter
 
         start = time.perf_counter()
         if self.adapter is not None and group is not None:
@@ -418,23 +419,10 @@ class TrainEngine:
                 broadcast_buckets(pool, group, state.items(), version=version,
                                   bucket_bytes=bucket_bytes)
             elif folder is not None:
-                # Never write into the folder the pool last named: a server joining meanwhile
-                # loads it under that version. Each version gets a folder of its own, written
-                # whole under a temporary name first; older ones go once the pool names it.
-                folder = Path(folder)
-                final, tmp = folder / f"v{version}", folder / f".v{version}.tmp"
-                shutil.rmtree(tmp, ignore_errors=True)
-                if self.adapter is not None:
-                    save_adapter(tmp, state, self.adapter)
-                else:
-                    self.model.save_pretrained(tmp, state_dict=state)
-                shutil.rmtree(final, ignore_errors=True)  # a restart's, never named since
-                tmp.rename(final)
-                pool.update_weights(WeightUpdate(version=version, path=str(final),
-                                                 lora=self.adapter))
-                for old in folder.iterdir():
-                    if old != final:
-                        shutil.rmtree(old, ignore_errors=True)
+                from areal_flow.runtime.weight_sync import update_from_folder
+
+                update_from_folder(pool, Path(folder), version, state, model=self.model,
+                                   adapter=self.adapter)
             else:
                 kept = pool.update_weights(WeightUpdate(version=version, state_dict=state,
                                                         live=live, lora=self.adapter))
@@ -467,26 +455,6 @@ class TrainEngine:
             out = self.model(**inputs) if self.value else self.model(**inputs).logits
             if backward:
                 (out.float().sum() * 0.0).backward()
-
-
-class BaseModelRole:
-    """A LoRA policy's base model as a frozen role (`TrainEngine.reference`): `forward` runs the
-    policy's engine with every adapter layer off, and back on afterwards."""
-
-    def __init__(self, engine: TrainEngine):
-        self.engine = engine
-
-    def forward(self, batch: TensorDict) -> TensorDict:
-        # peft's own switch (enable_adapters) also flips the adapter's requires_grad, which
-        # FSDP2 reads when it reduces gradients; the flag alone is what its forward checks
-        layers = [m for m in self.engine.model.modules() if hasattr(m, "_disable_adapters")]
-        for layer in layers:
-            layer._disable_adapters = True
-        try:
-            return self.engine.forward(batch)
-        finally:
-            for layer in layers:
-                layer._disable_adapters = False
 
 
 def _return_freed_memory() -> None:

@@ -18,13 +18,16 @@ from __future__ import annotations
 
 import concurrent.futures
 import datetime
+import shutil
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import Any, Protocol
 
 import attrs
 import torch
 import torch.distributed as dist
 
+from areal_flow.lora import save_adapter
 from areal_flow.types import DistributedWeights, WeightUpdate
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
@@ -230,3 +233,27 @@ def broadcast_buckets(
             pool.resume()
     return sent
 
+
+
+def update_from_folder(pool: Any, folder: Path, version: int, state: dict[str, torch.Tensor], *,
+                       model: Any, adapter: dict | None) -> Path:
+    """Write `state` as `folder/v<version>` (a `save_pretrained` folder, or a PEFT adapter
+    folder with LoRA) and have the pool load it (`/update_weights_from_disk`,
+    `/load_lora_adapter`); returns the folder.
+
+    Never writes into the folder the pool last named: a server joining meanwhile loads it under
+    that version. Each version gets a folder of its own, written whole under a temporary name
+    first; older ones go once the pool names the new one."""
+    final, tmp = folder / f"v{version}", folder / f".v{version}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    if adapter is not None:
+        save_adapter(tmp, state, adapter)
+    else:
+        model.save_pretrained(tmp, state_dict=state)
+    shutil.rmtree(final, ignore_errors=True)  # a restart's, never named since
+    tmp.rename(final)
+    pool.update_weights(WeightUpdate(version=version, path=str(final), lora=adapter))
+    for old in folder.iterdir():
+        if old != final:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
