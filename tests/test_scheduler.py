@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from areal_flow import workflow
 from areal_flow.config import RolloutConfig
@@ -337,3 +338,46 @@ def test_an_accepted_group_resets_the_count_of_failures_in_a_row():
         stats = s.stats()
     assert [b["sample_ids"].tolist() for b in batches] == [[2], [5]]
     assert stats["failed_samples"] >= 4  # and admission went on after each
+
+
+class DelayedPool(InstantPool):
+    """Answers after `delay` seconds (None: never)."""
+
+    def __init__(self, delay: float | None):
+        self.delay = delay
+
+    async def generate(self, request):
+        import anyio
+
+        await (anyio.sleep(self.delay) if self.delay is not None else anyio.Event().wait())
+        return await super().generate(request)
+
+
+def test_prepare_batch_waits_for_groups_as_long_as_its_timeout_allows():
+    import areal_flow.data.collate  # noqa: F401 - imported at the first batch, in seconds
+
+    attempts.clear()
+    data = [{"id": i, "fails": 0, "text": "ab"} for i in range(4)]
+    s = scheduler(data, batch_size=1, group_size=1, max_staleness=0)
+    s.pool = DelayedPool(0.2)
+    with s:
+        assert s.prepare_batch()["sample_ids"].tolist() == [0]  # no timeout: waits as needed
+        s.pool.version = 1
+        s.set_version(1)
+        # a second of patience is enough for a group 0.2 s away
+        assert s.prepare_batch(timeout=1.0)["sample_ids"].tolist() == [1]
+    s = scheduler(data, batch_size=1, group_size=1)
+    s.pool = DelayedPool(None)  # never answers: the timeout ends the wait (not the test's)
+    with s, pytest.raises(TimeoutError, match="fewer than 1 groups ready after 0.3 s"):
+        s.prepare_batch(timeout=0.3)
+
+
+def test_every_row_of_a_batch_names_the_version_it_is_trained_at():
+    attempts.clear()
+    data = [{"id": i, "fails": 0, "text": "ab"} for i in range(6)]
+    with scheduler(data, batch_size=1, group_size=2, max_staleness=1) as s:
+        s.prepare_batch(timeout=30)
+        s.set_version(1)
+        batch = s.prepare_batch(timeout=30)
+    assert batch["policy_version"].tolist() == [1, 1]
+    assert batch["policy_version"].dtype == batch["versions"].dtype == torch.long
