@@ -381,3 +381,66 @@ def test_every_row_of_a_batch_names_the_version_it_is_trained_at():
         batch = s.prepare_batch(timeout=30)
     assert batch["policy_version"].tolist() == [1, 1]
     assert batch["policy_version"].dtype == batch["versions"].dtype == torch.long
+
+
+seen: list[tuple[str, int]] = []
+
+
+@workflow("tests.recorded")
+async def recorded(ctx, sample):
+    """Records (episode id, seed); fails the first attempt at `sample["fails"]` episodes;
+    rejects (returns None for) episode `sample["reject"]` of each group."""
+    seen.append((ctx.episode_id, ctx.seed))
+    _, attempt, i = ctx.episode_id.split("/")
+    if int(attempt) < sample.get("fails", 0):
+        raise RuntimeError("flaky")
+    if int(i) == sample.get("reject", -1):
+        return None
+    prompt = ctx.chat([{"role": "user", "content": "ab"}])
+    return ctx.episode(prompt, await ctx.generate(prompt), reward=1.0)
+
+
+def recording_scheduler(dataset, **config):
+    return RolloutScheduler(
+        pool=InstantPool(), workflow="tests.recorded", dataset=dataset,
+        tokenizer=NullTokenizer(), score=unused,
+        config=RolloutConfig(**{"max_concurrent": 8, **config}), sampling=SamplingParams(),
+        shuffle=False)
+
+
+def test_a_retried_group_draws_new_seeds_and_evaluation_draws_its_own():
+    seen.clear()
+    with recording_scheduler([{"fails": 1}], batch_size=1, group_size=2, max_retries=1,
+                             max_staleness=0) as s:
+        s.prepare_batch(timeout=30)
+        train = dict(seen)
+        assert s.stats()["workflow_errors"] == 1  # the first attempt, retried whole
+        s.rollout_batch([{"fails": 0}], group_size=2)
+    assert sorted(train) == ["0/0/0", "0/0/1", "0/1/0", "0/1/1"]
+    assert len(set(train.values())) == 4  # a retry does not replay the failed attempt's draws
+    evaluation = [seed for episode, seed in seen[4:]]
+    assert len(evaluation) == 2 and not set(evaluation) & set(train.values())
+
+
+def test_rejected_episodes_and_failed_samples_are_counted_exactly():
+    seen.clear()
+    data = [{"reject": 1}, {"fails": 9}, {"reject": 0}, {}]
+    with recording_scheduler(data, batch_size=3, group_size=3, max_retries=1,
+                             max_staleness=0) as s:
+        batch = s.prepare_batch(timeout=30)
+        s.settle()
+        stats = s.stats()
+    assert sorted(batch["sample_ids"].tolist()) == [0, 0, 2, 2, 3, 3, 3]
+    assert stats["rejected_episodes"] == 2 and stats["failed_samples"] == 1
+
+
+def test_each_epoch_admits_every_sample_once():
+    seen.clear()
+    for shuffle in (False, True):
+        s = recording_scheduler([{} for _ in range(5)], batch_size=1, group_size=1,
+                                max_staleness=20)
+        s.shuffle, s.seed = shuffle, 3
+        with s:
+            ids = [s.prepare_batch(timeout=30)["sample_ids"].item() for _ in range(10)]
+        assert sorted(ids[:5]) == sorted(ids[5:]) == [0, 1, 2, 3, 4]
+        assert (ids[:5] == [0, 1, 2, 3, 4]) != shuffle
