@@ -66,7 +66,9 @@ MODULES: dict[str, list[str]] = {
         "--timeout=30"],
     "areal_flow/inference/local.py": ["tests/test_local_engine.py"],
     "areal_flow/registry.py": ["tests/test_registry.py"],
-    "areal_flow/runtime/engine.py": ["tests/test_engine_steps.py"],
+    "areal_flow/runtime/engine.py": [
+        "tests/test_engine_steps.py", "tests/test_runtime_checkpoint.py", "tests/test_ppo.py",
+        "tests/test_weight_updates.py::test_sync_weights_never_writes_into_the_folder_the_pool_names"],
     "areal_flow/runtime/microbatch.py": ["tests/test_microbatch.py"] + [
         # the property tests (the rest of test_runtime.py runs torchrun worlds in subprocesses)
         f"tests/test_runtime.py::test_{name}" for name in (
