@@ -4,6 +4,7 @@
     python scripts/mutation.py                          # every module below (about an hour)
     python scripts/mutation.py areal_flow/registry.py   # one module
     python scripts/mutation.py --show areal_flow/registry.py   # and each survivor's diff
+    python scripts/mutation.py --again areal_flow/registry.py  # only its survivors, after new tests
 
 mutmut (https://github.com/boxed/mutmut) puts small realistic bugs into a module — a flipped
 operator, an off-by-one, a dropped argument, a constant changed — and runs the tests against each.
@@ -98,14 +99,22 @@ RESULTS = ROOT / "benchmarks" / "results" / "mutation"  # <module>.json: the lat
 TABLE = ROOT / "docs" / "mutation.md"
 
 
-def run_module(module: str, tests: list[str], workdir: Path,
-               commit: str) -> tuple[dict[str, str], float]:
-    """mutmut's verdict per mutant name, and the seconds it took."""
-    shutil.rmtree(workdir, ignore_errors=True)
-    workdir.mkdir(parents=True)
+def run_module(module: str, tests: list[str], workdir: Path, commit: str,
+               again: list[str] | None = None) -> tuple[dict[str, str], float]:
+    """mutmut's verdict per mutant name, and the seconds it took. `again`: only these mutants
+    run, in the previous run's folder, against `commit`'s tests (the module must be the same)."""
     # the committed tree, not the working one: a row is of one commit, whatever is being edited
     archive = subprocess.run(["git", "archive", commit], cwd=ROOT, check=True,
                              capture_output=True).stdout
+    if again is not None:
+        source = subprocess.run(["git", "show", f"{commit}:{module}"], cwd=ROOT, check=True,
+                                capture_output=True).stdout
+        if not (workdir / "mutants").is_dir() or (workdir / module).read_bytes() != source:
+            raise SystemExit(f"--again needs the previous run of {module} in {workdir}, of "
+                             f"the same {module} as {commit}'s: run it whole")
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)
+        workdir.mkdir(parents=True)
     subprocess.run(["tar", "-x", "-C", str(workdir)], input=archive, check=True)
     with open(workdir / "pyproject.toml", "a") as f:
         f.write(_toml(module, tests))
@@ -113,7 +122,8 @@ def run_module(module: str, tests: list[str], workdir: Path,
     start = time.perf_counter()
     patterns = FUNCTIONS.get(module, [])
     done = subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", "2",
-                           *patterns], cwd=workdir, env=env, capture_output=True, text=True)
+                           *(patterns if again is None else again)],
+                          cwd=workdir, env=env, capture_output=True, text=True)
     seconds = time.perf_counter() - start
     if done.returncode != 0:
         raise SystemExit(f"mutmut failed on {module}:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
@@ -150,6 +160,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("modules", nargs="*", help=f"default: all of {', '.join(MODULES)}")
     parser.add_argument("--show", action="store_true", help="print each survivor's diff")
+    parser.add_argument("--again", action="store_true",
+                        help="run only the last run's survivors again, against the tests of "
+                             "HEAD (after adding tests; the module itself must be unchanged)")
     args = parser.parse_args()
     unknown = [m for m in args.modules if m not in MODULES]
     if unknown:
@@ -160,7 +173,11 @@ def main() -> None:
     for module in args.modules or MODULES:
         stem = module.removeprefix("areal_flow/").removesuffix(".py").replace("/", ".")
         workdir = ROOT / ".mutation" / stem
-        verdicts, seconds = run_module(module, MODULES[module], workdir, commit)
+        previous = RESULTS / f"{stem}.json"
+        again = json.loads(previous.read_text())["survivors"] if args.again else None
+        verdicts, seconds = run_module(module, MODULES[module], workdir, commit, again)
+        if again is not None:
+            seconds += 60 * json.loads(previous.read_text())["minutes"]
         reasons, _ = _equivalent(stem)
         stale = sorted(set(reasons) - set(verdicts))
         if stale:
