@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from areal_flow import workflow
+from areal_flow import reward, workflow
 from areal_flow.config import RolloutConfig
 from areal_flow.registry import workflows as workflow_specs
 from areal_flow.rollout.scheduler import RolloutError, RolloutScheduler
@@ -444,3 +444,39 @@ def test_each_epoch_admits_every_sample_once():
             ids = [s.prepare_batch(timeout=30)["sample_ids"].item() for _ in range(10)]
         assert sorted(ids[:5]) == sorted(ids[5:]) == [0, 1, 2, 3, 4]
         assert (ids[:5] == [0, 1, 2, 3, 4]) != shuffle
+
+
+@reward("tests.scheduler_length")
+def length_reward(text: str) -> float:
+    return float(len(text))
+
+
+@workflow("tests.scored_agent")
+async def scored_agent(ctx, sample):
+    """Scores through the scheduler's reward path, reads its options, and opens the OpenAI
+    endpoint an agent in another process would call."""
+    access = await ctx.openai_server()
+    seen.append((access.base_url, ctx.seed))
+    prompt = ctx.chat([{"role": "user", "content": "ab"}])
+    score = await ctx.reward("tests.scheduler_length", "abc")
+    return ctx.episode(prompt, await ctx.generate(prompt), reward=score + ctx.config["bonus"])
+
+
+def test_a_workflow_scores_reads_its_options_and_shares_one_endpoint_per_scheduler():
+    seen.clear()
+    scored = []
+
+    async def stand_in(reward_name, *args, **kwargs):  # a RewardRunner.score in process
+        scored.append((reward_name, args))
+        return 7.0
+
+    s = RolloutScheduler(
+        pool=InstantPool(), workflow="tests.scored_agent", dataset=[{}, {}], score=stand_in,
+        tokenizer=NullTokenizer(), workflow_config={"bonus": 1.5}, sampling=SamplingParams(),
+        config=RolloutConfig(max_concurrent=8, batch_size=2, group_size=2, max_staleness=0),
+        shuffle=False)
+    with s:
+        batch = s.prepare_batch(timeout=30)
+    assert batch["rewards"].tolist() == [8.5] * 4
+    assert scored == [("tests.scheduler_length", ("abc",))] * 4
+    assert len({url for url, _ in seen}) == 1  # one server for every episode, not one each
