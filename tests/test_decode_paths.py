@@ -73,3 +73,48 @@ def test_packed_weights_generate_what_plain_ones_do_and_follow_weight_updates(ti
 def test_packing_is_for_bf16_on_a_cpu_only():
     assert not packed_weights.available(torch.float32, torch.device("cpu"))
     assert not packed_weights.available(torch.bfloat16, torch.device("cuda"))
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31), rows=st.integers(1, 6), vocab=st.sampled_from([7, 300, 5000]),
+       scale=st.floats(0.1, 20), bf16=st.booleans())
+def test_the_sampler_is_the_inverse_cdf_of_each_rows_uniform_and_logs_log_softmax(
+        seed, rows, vocab, scale, bf16):
+    """Against a float64 reference written apart: each sampled token is where the row's own
+    uniform falls in the cumulative probabilities (up to the float32 rounding of the running
+    sum), greedy rows take the argmax, and the log-prob is log_softmax(logits / T) there."""
+    from areal_flow.inference.sampling import sample
+    from areal_flow.types import SamplingParams
+
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=g) * scale
+    logits = logits.to(torch.bfloat16) if bf16 else logits
+    params = [SamplingParams(temperature=(0.0, 0.7, 1.0, 1.3)[(seed + i) % 4], max_new_tokens=1)
+              for i in range(rows)]
+    tokens, logprobs = sample(logits, params, [torch.Generator().manual_seed(seed + i)
+                                               for i in range(rows)])
+    for i, p in enumerate(params):
+        row = logits[i].double() / p.logprob_temperature
+        reference = torch.log_softmax(row, -1)
+        assert abs(logprobs[i].item() - reference[tokens[i]].item()) < 1e-4
+        if p.greedy:
+            assert tokens[i] == logits[i].float().argmax()
+            continue
+        u = torch.rand(1, generator=torch.Generator().manual_seed(seed + i)).double().item()
+        cdf = reference.exp().cumsum(-1)
+        below = cdf[tokens[i] - 1].item() if tokens[i] > 0 else 0.0
+        slack = 1e-5  # float32 running sums over up to 5000 entries
+        assert below - slack <= u * cdf[-1].item() < cdf[tokens[i]].item() + slack
+        assert reference[tokens[i]] > -float("inf")
+
+
+def test_a_uniform_rounded_up_to_the_total_takes_the_last_token_with_a_weight(monkeypatch):
+    """u < 1, but u·total can round to the total, above every entry of the CDF."""
+    from areal_flow.inference import sampling
+    from areal_flow.types import SamplingParams
+
+    monkeypatch.setattr(sampling.torch, "rand", lambda *a, **k: torch.ones(1))
+    logits = torch.tensor([[0.0, 1.0, 2.0, -float("inf"), -float("inf")]])
+    tokens, logprobs = sampling.sample(logits, [SamplingParams(temperature=1.0)], [None])
+    assert tokens.tolist() == [2]
+    assert logprobs.item() == pytest.approx(torch.log_softmax(logits, -1)[0, 2].item())

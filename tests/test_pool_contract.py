@@ -194,7 +194,7 @@ def test_interruption_is_invisible(backend, models, model_dirs):
     """pause -> update_weights(path) -> resume while long greedy generations run: every completion
     is greedy decoding under w0 up to the switch and under w1 after it, each token tagged with its
     version, nothing lost or duplicated."""
-    n = 120
+    n = 300  # long enough for all five to be seen generating at once, however fast the engine
     reqs = [req(p, temperature=0, max_new_tokens=n, ignore_eos=True) for p in prompts(5)]
     v0 = backend.pool.version
     pool = backend.pool

@@ -526,7 +526,7 @@ class LocalEngine:
         """Sample one token for running rows from `first_row` on, record it, retire finished.
         A decode step (`decode_started`: when it began) is counted before anyone hears."""
         rows = self._running[first_row:]
-        tokens, logprobs = sample(logits.float(), [s.request.sampling for s in rows],
+        tokens, logprobs = sample(logits, [s.request.sampling for s in rows],
                                   [s.generator for s in rows])
         version = self._version
         for seq, token, logprob in zip(rows, tokens.tolist(), logprobs.tolist()):

@@ -14,32 +14,48 @@ def sample(
     """One token per row with each row's own sampling settings.
 
     Returns the tokens and their behavior logprobs ``log_softmax(logits / T)`` over the full
-    vocabulary (T = 1 for greedy rows), taken before top-k/top-p/min-p truncation.
+    vocabulary (T = 1 for greedy rows), taken before top-k/top-p/min-p truncation. `logits`
+    may be bf16: the arithmetic is float32.
+
+    A few passes over the vocabulary per row, because at decode's small batches this is a
+    tenth of a step: one division (and cast), the row maximum, one exp, a sum for the
+    normaliser, and a cumulative sum to search; only the chosen tokens' log-probs are taken,
+    never the whole log_softmax.
     """
-    temperature = torch.tensor([p.logprob_temperature for p in params], device=logits.device)
-    scaled = logits / temperature[:, None]
-    logprobs = torch.log_softmax(scaled, dim=-1)
+    device = logits.device
+    temperature = torch.tensor([p.logprob_temperature for p in params], device=device)
+    scaled = logits / temperature[:, None]  # float32: the temperatures are
+    top = scaled.amax(-1, keepdim=True)
+    weights = (scaled - top).exp_()  # softmax(scaled) times its normaliser
+    log_norm = (top + weights.sum(-1, keepdim=True).log()).squeeze(1)  # logsumexp(scaled)
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     # argmax is another pass over the vocabulary: skipped when no row is greedy (RL batches)
     tokens = (logits.argmax(dim=-1) if len(sampled) < len(params)
-              else torch.zeros(len(params), dtype=torch.long, device=logits.device))
+              else torch.zeros(len(params), dtype=torch.long, device=device))
     if sampled:
-        probs = logprobs[sampled].exp()  # softmax(logits / T) already, for untruncated rows
+        rows = weights if len(sampled) == len(params) else weights[sampled]
         # truncation sorts the whole vocabulary: only for rows that ask for it
         cut = [row for row, i in enumerate(sampled) if _truncates(params[i])]
         if cut:
-            kept = truncate(scaled[sampled][cut], [params[sampled[row]] for row in cut])
-            probs[cut] = torch.softmax(kept, dim=-1)
+            index = torch.tensor([sampled[row] for row in cut], device=device)
+            kept = truncate(scaled[index], [params[sampled[row]] for row in cut])
+            rows = rows.clone() if rows is weights else rows
+            rows[cut] = (kept - top[index]).exp()
         # Inverse CDF: one uniform per row from the row's own CPU generator (so a seed gives
-        # the same tokens in any batch and on any device), searched in the cumulative
-        # probabilities where they are; torch.multinomial drew an exponential per vocabulary
-        # entry on the CPU, and a row at a time. In float64, u·total stays strictly below the
-        # total, so the token found (first cdf > u·total) always has a positive probability.
-        u = torch.cat([torch.rand(1, generator=generators[i]) for i in sampled])
-        cdf = probs.double().cumsum(-1)
-        x = u.to(cdf)[:, None] * cdf[:, -1:]
-        tokens[sampled] = torch.searchsorted(cdf, x, right=True)[:, 0]
-    return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
+        # the same tokens in any batch and on any device), searched in the cumulative weights
+        # where they are; torch.multinomial drew an exponential per vocabulary entry on the
+        # CPU, and a row at a time. The first entry above u·total has a positive weight (a
+        # zero weight leaves the running sum where it was); u·total rounded up to the total
+        # finds none, and then the last token with a weight is the one.
+        u = torch.cat([torch.rand(1, generator=generators[i]) for i in sampled]).to(device)
+        cdf = rows.cumsum(-1)
+        found = torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True)[:, 0]
+        over = found >= cdf.shape[-1]
+        if bool(over.any()):
+            positions = torch.arange(cdf.shape[-1], device=device)
+            found[over] = torch.where(rows[over] > 0, positions, -1).amax(-1)
+        tokens[sampled] = found
+    return tokens, scaled.gather(1, tokens[:, None]).squeeze(1) - log_norm
 
 
 def _truncates(p) -> bool:
