@@ -480,3 +480,35 @@ def test_a_workflow_scores_reads_its_options_and_shares_one_endpoint_per_schedul
     assert batch["rewards"].tolist() == [8.5] * 4
     assert scored == [("tests.scheduler_length", ("abc",))] * 4
     assert len({url for url, _ in seen}) == 1  # one server for every episode, not one each
+
+
+def test_by_default_the_data_is_shuffled_and_nothing_has_run():
+    data = [{"id": i, "fails": 0, "text": "ab"} for i in range(20)]
+    s = RolloutScheduler(pool=InstantPool(), workflow="tests.flaky", dataset=data,
+                         tokenizer=NullTokenizer(), score=unused,
+                         config=RolloutConfig(batch_size=1, group_size=1, max_staleness=20),
+                         sampling=SamplingParams())
+    assert s.stats()["peak_running_episodes"] == 0
+    with s:
+        ids = [s.prepare_batch(timeout=30)["sample_ids"].item() for _ in range(20)]
+    assert sorted(ids) == list(range(20)) and ids != list(range(20))
+
+
+def test_a_stopped_scheduler_starts_again_and_stops_at_once_after_starting():
+    data = [{"id": 0, "fails": 0, "text": "ab"}]
+    s = scheduler(data, batch_size=1, group_size=1)
+    s.start()
+    s.stop()  # before the admission task could run
+    with s:
+        assert s.prepare_batch(timeout=30)["sample_ids"].tolist() == [0]
+
+
+def test_the_openai_endpoint_reports_the_tokenizers_model_name():
+    class Named(NullTokenizer):
+        name_or_path = "org/some-model"
+
+    assert scheduler([{}]).openai_endpoint.model == "policy"  # a tokenizer without a name
+    named = RolloutScheduler(pool=InstantPool(), workflow="tests.flaky", dataset=[{}],
+                             tokenizer=Named(), score=unused, config=RolloutConfig(),
+                             sampling=SamplingParams())
+    assert named.openai_endpoint.model == "org/some-model"
