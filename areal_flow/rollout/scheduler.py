@@ -175,14 +175,16 @@ class RolloutScheduler:
             raise RuntimeError("the scheduler is already started")
         self._portal_cm = anyio.from_thread.start_blocking_portal(backend="asyncio")
         self._portal = self._portal_cm.__enter__()
+        # made before the task starts: a stop() before it runs must still cancel it (a
+        # scope cancelled before it is entered cancels on entry), or the portal waits forever
+        self._cancel = self._portal.call(anyio.CancelScope)
         self._portal.start_task_soon(self._admit_forever, name="rollout-admission")
         return self
 
     def stop(self) -> None:
         if self._portal is None:
             return
-        if self._cancel is not None:
-            self._portal.call(self._cancel.cancel)
+        self._portal.call(self._cancel.cancel)
         self._portal.call(self.openai_endpoint.close)
         self._portal_cm.__exit__(None, None, None)
         self._portal = self._portal_cm = None
@@ -364,7 +366,7 @@ class RolloutScheduler:
 
     async def _admit_forever(self) -> None:
         try:
-            with anyio.CancelScope() as self._cancel:
+            with self._cancel:
                 async with anyio.create_task_group() as tg:
                     while True:
                         self._changed = anyio.Event()
