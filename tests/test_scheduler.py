@@ -512,3 +512,15 @@ def test_the_openai_endpoint_reports_the_tokenizers_model_name():
                              tokenizer=Named(), score=unused, config=RolloutConfig(),
                              sampling=SamplingParams())
     assert named.openai_endpoint.model == "org/some-model"
+
+
+def test_the_runs_seed_changes_every_episodes_seed():
+    seeds = {}
+    for run_seed in (1, 2):
+        seen.clear()
+        s = recording_scheduler([{}], batch_size=1, group_size=2, max_staleness=0)
+        s.seed = run_seed
+        with s:
+            s.prepare_batch(timeout=30)
+        seeds[run_seed] = {seed for _, seed in seen}
+    assert len(seeds[1]) == len(seeds[2]) == 2 and not seeds[1] & seeds[2]
