@@ -160,10 +160,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("modules", nargs="*", help=f"default: all of {', '.join(MODULES)}")
     parser.add_argument("--show", action="store_true", help="print each survivor's diff")
+    parser.add_argument("--table", action="store_true",
+                        help="only rewrite docs/mutation.md from the results and the reasons")
     parser.add_argument("--again", action="store_true",
                         help="run only the last run's survivors again, against the tests of "
                              "HEAD (after adding tests; the module itself must be unchanged)")
     args = parser.parse_args()
+    if args.table:
+        return write_table()
     unknown = [m for m in args.modules if m not in MODULES]
     if unknown:
         parser.error(f"unknown module(s) {unknown}; the modules: {', '.join(MODULES)}")
@@ -213,7 +217,7 @@ def _row(r: dict) -> str:
     part = "" if r.get("functions", "all") == "all" else " (the functions in `FUNCTIONS`)"
     return (f"| `{r['module']}`{part} | {total} | {killed} | {len(r['survivors'])} "
             f"({r['verdicts'].get('no tests', 0)} reached by no test) | {len(r['equivalent'])} "
-            f"| {killed / max(live, 1):.0%} | {r['minutes']} |")
+            f"| {killed / max(live, 1):.0%} | {r['minutes']} | {r.get('commit', 'before')} |")
 
 
 def write_table() -> None:
@@ -223,6 +227,9 @@ def write_table() -> None:
     reasons, survivors = [], []
     for r in results:
         equivalent, explained = _equivalent(r["stem"])
+        # a survivor shown equivalent since its run counts as equivalent
+        r["equivalent"] = sorted({*r["equivalent"], *(set(r["survivors"]) & set(equivalent))})
+        r["survivors"] = sorted(set(r["survivors"]) - set(equivalent))
         reasons += [f"- `{name}`: {why}" for name, why in equivalent.items()]
         survivors += [f"- `{n}`: {explained.get(n, 'not explained yet')}" for n in r["survivors"]]
     done = {r["module"] for r in results}
@@ -233,8 +240,8 @@ the tests of its module (`scripts/mutation.py` says how mutants are chosen and w
 Regenerate a row with `python scripts/mutation.py MODULE` (every row: no argument; `--show`
 prints each survivor's diff). Not run in CI: too slow.
 
-| module | mutants | killed | survived | equivalent | killed of non-equivalent | minutes |
-|---|---|---|---|---|---|---|
+| module | mutants | killed | survived | equivalent | killed of non-equivalent | minutes | commit |
+|---|---|---|---|---|---|---|---|
 {chr(10).join(_row(r) for r in results)}
 
 Not run to the end yet: {", ".join(f"`{m}`" for m in MODULES if m not in done) or "none"}.
