@@ -66,6 +66,11 @@ MODULES: dict[str, list[str]] = {
         # a mutant that hangs a call waits on a worker, using no CPU time (mutmut's limit)
         "--timeout=30"],
     "areal_flow/inference/local.py": ["tests/test_local_engine.py"],
+    # the sampler and the KV batch, split out of local.py
+    "areal_flow/inference/sampling.py": ["tests/test_local_engine.py",
+                                         "tests/test_decode_paths.py"],
+    "areal_flow/inference/kv_batch.py": ["tests/test_decode_paths.py",
+                                         "tests/test_local_engine.py"],
     "areal_flow/registry.py": ["tests/test_registry.py"],
     "areal_flow/runtime/engine.py": [
         "tests/test_engine_steps.py", "tests/test_runtime_checkpoint.py", "tests/test_ppo.py",
@@ -217,7 +222,7 @@ def _row(r: dict) -> str:
     part = "" if r.get("functions", "all") == "all" else " (the functions in `FUNCTIONS`)"
     return (f"| `{r['module']}`{part} | {total} | {killed} | {len(r['survivors'])} "
             f"({r['verdicts'].get('no tests', 0)} reached by no test) | {len(r['equivalent'])} "
-            f"| {killed / max(live, 1):.0%} | {r['minutes']} | {r.get('commit', 'before')} |")
+            f"| {killed / max(live, 1):.0%} | {r['minutes']} | {r.get('commit', 'an earlier session')} |")
 
 
 def write_table() -> None:
