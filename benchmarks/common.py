@@ -44,3 +44,28 @@ def machine_line() -> str:
     return (f"{os.cpu_count()} CPUs ({cpu}; {', '.join(fast)}), {gpu}, torch {torch.__version__}, "
             f"Python {platform.python_version()}, OMP_NUM_THREADS="
             f"{os.environ.get('OMP_NUM_THREADS', 'unset')}, load average {os.getloadavg()[0]:.2f}")
+
+
+def machine_limits() -> str:
+    """What this machine can do, measured now: the GEMM rate per dtype (2048 x 576 x 1536, the
+    shape of SmolLM2's MLP over a training micro-batch; best of five) and the read bandwidth
+    (`precision.read_bandwidth`): the denominators of MFU and MBU."""
+    import time
+
+    import torch
+
+    from areal_flow.runtime.precision import read_bandwidth
+
+    rates = []
+    for dtype in (torch.float32, torch.bfloat16):
+        a = torch.full((2048, 576), 0.01, dtype=dtype)
+        b = torch.full((576, 1536), 0.01, dtype=dtype)
+        best = float("inf")
+        for _ in range(5):
+            start = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - start)
+        flops = 2 * 2048 * 576 * 1536 / best
+        rates.append(f"{str(dtype).removeprefix('torch.')} {flops / 1e12:.2f}")
+    return (f"GEMM peak (TFLOP/s) {', '.join(rates)}; read bandwidth "
+            f"{read_bandwidth() / 1e9:.1f} GB/s")

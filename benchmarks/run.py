@@ -23,13 +23,13 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from common import machine_line  # noqa: E402
+from common import machine_limits, machine_line  # noqa: E402
 
 ROOT = HERE.parent
 BENCH_PYTHON = ROOT / ".venv-bench" / "bin" / "python"
 # cheapest first, so a broken environment shows up early
-MODULES = ("scheduler", "engine", "decode", "training", "train_step", "lora_sync", "async_sync", "overlap",
-           "trl_grpo")
+MODULES = ("scheduler", "engine", "decode", "training", "train_step", "lora_sync", "async_sync",
+           "overlap", "trl_grpo")
 
 
 def bench_python() -> Path:
@@ -95,6 +95,7 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     names = [n for n in args.only if not (args.skip_trl and n == "trl_grpo")]
     load = os.getloadavg()[0]
+    limits = machine_limits()  # before the runs: measured on a machine as quiet as they start
     if load > 0.5:  # with 2 OpenMP threads per process, a busy core can slow a run 10x or more
         print(f"warning: load average {load:.1f} before starting; numbers from a busy machine "
               f"are not comparable", file=sys.stderr)
@@ -106,7 +107,7 @@ def main() -> None:
     report = [f"# Benchmarks ({'quick' if args.quick else 'full'})", "",
               f"`{command.strip()}` on {time.strftime('%Y-%m-%d')}: {machine_line()}; "
               f"1-min load average {load:.2f} before, {os.getloadavg()[0]:.2f} after "
-              f"(the runs' own); {total / 60:.1f} min in all.", ""]
+              f"(the runs' own); {total / 60:.1f} min in all. {limits}.", ""]
     for r in runs:
         status = "" if r["exit"] == 0 else f" — FAILED (exit {r['exit']})"
         report += [f"## {r['name']} ({r['seconds']:.0f} s){status}", "", r["table"].strip(), ""]

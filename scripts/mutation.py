@@ -222,7 +222,8 @@ def _row(r: dict) -> str:
     part = "" if r.get("functions", "all") == "all" else " (the functions in `FUNCTIONS`)"
     return (f"| `{r['module']}`{part} | {total} | {killed} | {len(r['survivors'])} "
             f"({r['verdicts'].get('no tests', 0)} reached by no test) | {len(r['equivalent'])} "
-            f"| {killed / max(live, 1):.0%} | {r['minutes']} | {r.get('commit', 'an earlier session')} |")
+            f"| {killed / max(live, 1):.0%} | {r['minutes']} "
+            f"| {r.get('commit', 'an earlier session')} |")
 
 
 def write_table() -> None:
