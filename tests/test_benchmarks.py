@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_run_collects_each_modules_table_and_json(tmp_path):
     done = subprocess.run(
-        [sys.executable, "benchmarks/run.py", "--quick", "--only", "scheduler",
+        [sys.executable, "benchmarks/run.py", "--quick", "--only", "scheduler", "decode",
          "--results", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
         env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -26,12 +26,20 @@ def test_run_collects_each_modules_table_and_json(tmp_path):
     summary = (tmp_path / "summary.md").read_text()
     assert summary.startswith("# Benchmarks (quick)")
     assert "OMP_NUM_THREADS=1" in summary
+    # the machine's limits, measured in the same run: the denominators of MFU and MBU
+    assert "GEMM peak (TFLOP/s) float32" in summary and "read bandwidth" in summary
+    assert "bf16" in summary.split("\n")[2]  # the CPU's bf16/AMX flags, or that it has neither
     # the module's own printed table, verbatim, under its heading
     table = summary.split("## scheduler", 1)[1]
     assert "| scheduler ep/s | bare gather ep/s |" in table
     assert f"| {result['scheduler_episodes_per_s']:.0f} |" in table
     run = json.loads((tmp_path / "run.json").read_text())
-    assert [(m["name"], m["exit"]) for m in run["modules"]] == [("scheduler", 0)]
+    assert [(m["name"], m["exit"]) for m in run["modules"]] == [("scheduler", 0), ("decode", 0)]
+    decode = json.loads((tmp_path / "decode.json").read_text())
+    methods = {(r["dtype"], r["batch"], r["method"]) for r in decode["rows"]}
+    assert {("float32", 8, "bare"), ("float32", 8, "engine"),
+            ("float32", 16, "engine, kv_slots off")} <= methods
+    assert all(r["median_ms"] > 0 and 0 < r["mbu"] for r in decode["rows"])
     assert not (tmp_path / "rewards.png").exists()  # no end-to-end run, no curves
 
 
