@@ -65,7 +65,16 @@ MODULES: dict[str, list[str]] = {
             "an_async_reward_that_segfaults_is_a_crash_and_the_caller_survives")] + [
         # a mutant that hangs a call waits on a worker, using no CPU time (mutmut's limit)
         "--timeout=30"],
-    "areal_flow/inference/local.py": ["tests/test_local_engine.py"],
+    "areal_flow/inference/local.py": [
+        "tests/test_local_engine.py", "tests/test_decode_paths.py"] + [
+        # weights kept from the trainer, copied after sharing, and LoRA adapters, in process
+        f"tests/test_runtime_checkpoint.py::test_{name}" for name in (
+            "weight_sync_makes_the_local_engine_match_the_trainer",
+            "an_in_process_engine_generates_from_the_trainers_tensors",
+            "a_copied_update_after_sharing_leaves_the_trainers_tensors_alone")] + [
+        f"tests/test_lora.py::test_{name}" for name in (
+            "after_lora_steps_the_engine_generates_what_the_merged_model_does",
+            "the_engine_refuses_an_adapter_that_does_not_fit")],
     # the sampler and the KV batch, split out of local.py
     "areal_flow/inference/sampling.py": ["tests/test_local_engine.py",
                                          "tests/test_decode_paths.py"],
