@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import math
 import threading
+import time
 from os.path import commonprefix
 
 import pytest
@@ -361,13 +362,16 @@ def test_the_device_is_cuda_when_there_is_one(monkeypatch):
             InferenceConfig(device=bad)
 
 
-def test_from_config_passes_the_device(monkeypatch):
+def test_from_config_passes_every_setting(monkeypatch):
     from areal_flow.config import InferenceConfig
 
     seen = {}
-    monkeypatch.setattr(LocalEngine, "__init__", lambda self, model, **kwargs: seen.update(kwargs))
-    LocalEngine.from_config(InferenceConfig(device="cuda:1", max_batch_size=3), model="m")
+    monkeypatch.setattr(LocalEngine, "__init__",
+                        lambda self, model, **kwargs: seen.update(kwargs, model=model))
+    LocalEngine.from_config(InferenceConfig(device="cuda:1", max_batch_size=3, dtype="bfloat16"),
+                            model="m", seed=11)
     assert seen["device"] == "cuda:1" and seen["max_batch_size"] == 3
+    assert (seen["model"], seen["dtype"], seen["seed"]) == ("m", "bfloat16", 11)
     assert seen["threads"] is None  # the process's pool
     LocalEngine.from_config(InferenceConfig(device="cpu", threads=3), model="m")
     assert seen["threads"] == 3
@@ -430,12 +434,52 @@ def test_an_abort_never_reaches_requests_submitted_after_it(engine):
     assert untouched.finish_reason == "length" and len(untouched.token_ids) == 5
 
 
-def test_set_version_relabels_new_tokens(tiny_model_dir):
+def test_set_version_relabels_new_tokens_and_starts_a_new_set_of_buckets(tiny_model_dir):
     engine = LocalEngine(tiny_model_dir)
     try:
         engine.set_version(7)
         out = asyncio.run(engine.generate(request([3, 4], temperature=0, max_new_tokens=3)))
         assert set(out.versions) == {7}
+        state = perturbed(engine.model, 0.05, seed=2)
+        norm = "model.norm.weight"
+        engine.update_weights(WeightUpdate(version=7, state_dict={norm: state[norm]}))
+        rest = {n: t for n, t in state.items() if n != norm}
+        engine.update_weights(WeightUpdate(version=8, state_dict=rest))  # completes version 8
+        assert engine.version == 8
+    finally:
+        engine.close()
+
+
+def test_an_update_naming_a_tensor_the_model_lacks_is_refused_and_changes_nothing(
+        tiny_model_dir):
+    engine = LocalEngine(tiny_model_dir)
+    try:
+        before = {k: v.clone() for k, v in engine.model.state_dict().items()}
+        state = perturbed(engine.model, 0.05, seed=2)
+        state["_orig_mod.model.norm.weight"] = state["model.norm.weight"]  # a compiled model's
+        with pytest.raises(ValueError, match=r"unexpected names \['_orig_mod.model.norm"):
+            engine.update_weights(WeightUpdate(version=1, state_dict=state))
+        assert engine.version == 0
+        assert all(torch.equal(engine.model.state_dict()[k], v) for k, v in before.items())
+    finally:
+        engine.close()
+
+
+def test_interruptions_add_up_between_two_stats_calls(tiny_model_dir):
+    engine = LocalEngine(tiny_model_dir)
+    try:
+        engine.stats()
+        for _ in range(2):  # two requests running, interrupted twice
+            engine.pause()
+            seqs = [engine.submit(request(p, temperature=0, max_new_tokens=200, ignore_eos=True))
+                    for p in prompts(2)]
+            engine.resume()
+            while min(len(s.tokens) for s in seqs) < 2:
+                time.sleep(0.001)
+            engine.pause()
+            engine.resume()
+            [s.future.result(timeout=60) for s in seqs]
+        assert engine.stats()["interruptions"] == 4
     finally:
         engine.close()
 
