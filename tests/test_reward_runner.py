@@ -93,6 +93,15 @@ def test_rewards_are_named_by_registry_name_function_or_path(runner):
     assert asyncio.run(runner.score("gsm8k", "#### 12", answer="12")) == 1.0
 
 
+def test_stats_time_each_window_of_calls_from_zero(runner):
+    for _ in range(2):
+        score(runner, rewards_for_tests.length)
+    runner.stats()
+    score(runner, rewards_for_tests.length)  # workers warm: milliseconds
+    stats = runner.stats()
+    assert stats["calls"] == 1 and 0 < stats["mean_seconds"] < 0.5
+
+
 def test_many_concurrent_calls_all_return(runner):
     async def main():
         return await asyncio.gather(*(runner.score("tests.length", "x" * i) for i in range(40)))
