@@ -524,3 +524,12 @@ def test_the_runs_seed_changes_every_episodes_seed():
             s.prepare_batch(timeout=30)
         seeds[run_seed] = {seed for _, seed in seen}
     assert len(seeds[1]) == len(seeds[2]) == 2 and not seeds[1] & seeds[2]
+
+
+def test_a_workflow_spec_object_is_taken_as_it_is():
+    spec = workflow_specs.spec("tests.flaky")
+    s = RolloutScheduler(pool=InstantPool(), workflow=spec, dataset=[{"id": 0, "fails": 0,
+                                                                       "text": "ab"}],
+                         tokenizer=NullTokenizer(), score=unused, sampling=SamplingParams(),
+                         config=RolloutConfig(batch_size=1, group_size=1))
+    assert s.workflow is spec
