@@ -257,11 +257,12 @@ def run_name(cfg: RLConfig) -> str:
     return re.sub(r"[^\w.-]+", "_", f"{task}_{cfg.algorithm_name}")
 
 
-def load_data(cfg: RLConfig, model: str, rank: int) -> tuple[list[dict], list[dict], str]:
+def load_data(cfg: RLConfig, model: str, rank: int,
+              workflow_options: Any = None) -> tuple[list[dict], list[dict], str]:
     """Rank 0 checks the model's config (`check_model`), the teacher's tokenizer
-    (`check_teacher`), and reads the train and eval rows, before
-    any rank loads weights; a bad --model or --dataset fails on every rank with rank 0's error.
-    Other ranks get empty rows."""
+    (`check_teacher`), reads the train and eval rows and checks they hold the fields the
+    workflow's options name (`check_fields`), before any rank loads weights; a bad --model or
+    --dataset fails on every rank with rank 0's error. Other ranks get empty rows."""
     from areal_flow.data import offline
     from areal_flow.runtime.distributed import same_on_all_ranks
 
@@ -272,6 +273,7 @@ def load_data(cfg: RLConfig, model: str, rank: int) -> tuple[list[dict], list[di
             if cfg.teacher is not None:
                 check_teacher(cfg.teacher, model)
             rows = offline.train_eval_rows(cfg.dataset, cfg.eval_size)
+            check_fields(cfg.dataset, workflow_options, {"train": rows[0], "eval": rows[1]})
         except Exception as exc:  # noqa: BLE001 - raised below, on every rank
             error = exc
     message = same_on_all_ranks(None if error is None else f"{type(error).__name__}: {error}")
@@ -280,6 +282,27 @@ def load_data(cfg: RLConfig, model: str, rank: int) -> tuple[list[dict], list[di
     if message is not None:
         raise RuntimeError(f"rank 0 stopped before training: {message}")
     return rows
+
+
+def check_fields(dataset: str, options: Any, splits: dict[str, list[dict]]) -> None:
+    """Every row holds each field the workflow's options name: an option called ``*_field``
+    (`RLVRConfig.question_field`, ...) names a field the workflow reads from each row. A row
+    without it would fail every rollout of that row after the weights loaded."""
+    if not attrs.has(type(options)):
+        return
+    names = {f.name: getattr(options, f.name) for f in attrs.fields(type(options))
+             if f.name.endswith("_field") and isinstance(getattr(options, f.name), str)}
+    for split, rows in splits.items():
+        for i, row in enumerate(rows):
+            missing = [(option, name) for option, name in names.items()
+                       if not isinstance(row, dict) or name not in row]
+            if missing:
+                option, name = missing[0]
+                has = ", ".join(map(str, row)) if isinstance(row, dict) else type(row).__name__
+                raise ValueError(
+                    f"--dataset {dataset}: {split} row {i} has no field {name!r} (it has: {has}), "
+                    f"which the workflow's {option} names; name the row's field with "
+                    f"--workflow-config '{{\"{option}\": \"...\"}}'")
 
 
 def check_model(cfg: RLConfig, model: str) -> None:

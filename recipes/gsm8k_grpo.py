@@ -60,7 +60,8 @@ def main(cfg: Config) -> None:
     dist.barrier()  # every rank has checked the folder before rank 0 writes into it
     model = same_on_all_ranks(
         cfg.model or (str(offline.packaged_smollm2()) if rank == 0 else None))
-    train_rows, eval_rows, data_note = gsm8k_rl.load_data(cfg, model, rank)  # before weights load
+    train_rows, eval_rows, data_note = gsm8k_rl.load_data(  # before weights load
+        cfg, model, rank, workflow_config)
     trainer = TrainEngine(model, cfg.train)
     ref = trainer.reference(model) if "ref" in algorithm.roles else None  # LoRA: its base
     critic = TrainEngine(model, cfg.critic, value=True) if "critic" in algorithm.roles else None

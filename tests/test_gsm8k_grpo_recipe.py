@@ -264,7 +264,6 @@ def test_the_reasoning_gym_recipe_trains_on_a_task_with_its_verifier(tiny_model_
     (["--rollout.group-size", "0"], "group_size"),
     (["--inference.backend", "sglang", "--inference.addresses", "127.0.0.1:9"],
      "no generation server answers"),
-    (["--workflow-config", '{"question_field": "query"}'], "query"),
     # rlvr passes answer=...; a reward without that parameter must not silently score 0
     (["--reward", "tests.rewards_for_tests:length"], "cannot take the arguments"),
     (["--workflow", "tests.workflows_for_tests:no_reward_option", "--reward", "gsm8k"],
@@ -287,6 +286,10 @@ def test_bad_input_is_named(tiny_model_dir, gsm8k_file, tmp_path, extra, message
     (["--dataset", "{tmp}/two.jsonl"], "--eval-size 4 takes all 2 rows, leaving none to train"),
     (["--workflow-config", '{"question_field": '], "--workflow-config: not valid JSON"),
     (["--workflow-config", "{tmp}/missing.yaml"], "missing.yaml: no such file"),
+    (["--workflow-config", '{"question_field": "query"}'],
+     "row 0 has no field 'query' (it has: question, answer), which the workflow's "
+     "question_field names"),
+    (["--dataset", "{tmp}/no_answer.jsonl"], "has no field 'answer' (it has: question)"),
     (["--sampling.max-new-tokens", "100000"], "leaves no room for a prompt"),
     (["--train.ppo-minibatches", "3"], "--train.ppo-minibatches 3 is more than the 2 groups"),
     (["--rollout.group-size", "1"], "--rollout.group-size 1: grpo scores a row against the rest"),
@@ -299,6 +302,8 @@ def test_bad_input_is_refused_before_any_weights_load(tiny_model_dir, gsm8k_file
     the same command, corrected, starts a fresh run)."""
     (tmp_path / "empty.jsonl").write_text("\n")
     (tmp_path / "broken.jsonl").write_text('{"question": "1 + 1?", "answer": "2"}\n{"question"\n')
+    (tmp_path / "no_answer.jsonl").write_text('{"question": "1 + 1?", "answer": "2"}\n' * 2
+                                              + '{"question": "2 + 1?"}\n' * 6)
     (tmp_path / "two.jsonl").write_text('{"question": "1 + 1?", "answer": "2"}\n'
                                         '{"question": "2 + 1?", "answer": "3"}\n')
     extra = [arg.replace("{tmp}", str(tmp_path)) for arg in extra]
