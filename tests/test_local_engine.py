@@ -58,8 +58,10 @@ def save_perturbed(model_dir, path, scale: float, seed: int):
     return path
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def engine(tiny_model_dir):
+    # one per test (50 ms for the tiny model): each test then reaches the constructor, so a
+    # mutation run credits every test that depends on what it sets up
     eng = LocalEngine(tiny_model_dir, max_batch_size=16)
     yield eng
     eng.close()
@@ -171,10 +173,12 @@ def test_explicit_abort_returns_tokens_so_far(engine):
     assert out.finish_reason == "abort" and 1 <= len(out.token_ids) < 500
 
 
-def test_a_cancelled_caller_frees_its_slot(engine):
+def test_a_cancelled_caller_frees_its_slot_and_only_its_own(engine):
     async def main():
         task = asyncio.ensure_future(engine.generate(
             request(prompts(1)[0], temperature=0, max_new_tokens=900, ignore_eos=True)))
+        other = asyncio.ensure_future(engine.generate(
+            request(prompts(2)[1], temperature=0, max_new_tokens=60, ignore_eos=True)))
         started = threading.Event()
         engine.on_step = lambda eng: started.set()
         await asyncio.to_thread(started.wait, 60)
@@ -182,11 +186,26 @@ def test_a_cancelled_caller_frees_its_slot(engine):
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        # the engine drops the request and keeps serving
-        return await engine.generate(request([5, 6, 7], temperature=0, max_new_tokens=4))
+        # the engine drops the request and keeps serving, the other request included
+        return await other, await engine.generate(request([5, 6, 7], temperature=0,
+                                                          max_new_tokens=4))
 
-    assert len(asyncio.run(main()).token_ids) <= 4
+    other, later = asyncio.run(main())
+    assert other.finish_reason == "length" and len(other.token_ids) == 60
+    assert len(later.token_ids) <= 4
     assert engine.stats()["running"] == 0
+
+
+def test_closing_fails_the_requests_it_holds_and_sizes_of_one_are_allowed(tiny_model_dir):
+    engine = LocalEngine(tiny_model_dir, max_batch_size=1, threads=1)
+    engine.pause()
+    held = engine.submit(request([5, 6, 7], temperature=0, max_new_tokens=4))
+    engine.close()
+    with pytest.raises(RuntimeError, match="the local engine was closed"):
+        held.future.result(timeout=10)
+    for bad in ({"max_batch_size": 0}, {"threads": 0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            LocalEngine(tiny_model_dir, **bad)
 
 
 def test_interrupted_generations_continue_under_the_new_weights(tiny_model_dir):
@@ -279,11 +298,14 @@ def test_bf16_weights_generate_with_matching_logprobs(tiny_model_dir):
 
 def test_stats_count_tokens_since_the_last_call(engine):
     engine.stats()
+    began = time.perf_counter()
     asyncio.run(generate_all(engine, [request(p, temperature=0, max_new_tokens=7, ignore_eos=True)
                                       for p in prompts(3)]))
     stats = engine.stats()
+    window = time.perf_counter() - began  # the window stats() measured, give or take its calls
     assert stats["generated_tokens"] == 21 and stats["finished"] == 3
-    assert stats["tokens_per_s"] > 0 and stats["running"] == 0 and stats["queued"] == 0
+    assert 0.5 * 21 / window < stats["tokens_per_s"] < 2 * 21 / window
+    assert stats["running"] == 0 and stats["queued"] == 0
     assert engine.stats()["generated_tokens"] == 0
 
 
@@ -300,6 +322,17 @@ def test_stats_count_decode_steps_and_the_fraction_of_the_weight_read_bound(engi
                                       for p in engine.model.parameters())
     assert 0 < stats["decode_mbu"] < 1
     assert engine.stats()["decode_steps"] == 0
+    # the same fraction measured apart: the bound over the gaps between decode steps
+    stamps = []
+    engine.on_step = lambda _: stamps.append(time.perf_counter())
+    try:
+        generate_together(engine, [request(p, temperature=0, max_new_tokens=40, ignore_eos=True)
+                                   for p in prompts(3)])
+    finally:
+        engine.on_step = None
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])]  # after the first: decode steps only
+    measured = engine.weight_bytes / engine.read_bandwidth / (sum(gaps) / len(gaps))
+    assert 0.5 * measured < engine.stats()["decode_mbu"] < 2 * measured
 
 
 def test_a_bucket_of_tensors_updates_only_those(tiny_model_dir):
