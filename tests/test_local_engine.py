@@ -688,3 +688,24 @@ def test_only_rows_with_a_truncation_option_are_truncated():
     assert not _truncates(SamplingParams())
     assert [_truncates(SamplingParams(**o)) for o in
             ({"top_k": 1}, {"top_p": 0.99}, {"min_p": 0.01})] == [True, True, True]
+
+
+def test_pause_returns_only_once_no_step_is_in_progress(engine):
+    """What makes changing the weights after `pause()` safe."""
+    busy, stepping = threading.Event(), threading.Event()
+
+    def slow_step(eng):
+        busy.set()
+        stepping.set()
+        time.sleep(0.3)
+        busy.clear()
+
+    engine.on_step = slow_step
+    try:
+        engine.submit(request([5, 6, 7], temperature=0, max_new_tokens=200, ignore_eos=True))
+        assert stepping.wait(30)
+        engine.pause()
+        assert not busy.is_set()
+    finally:
+        engine.on_step = None
+        engine.resume()
