@@ -709,3 +709,17 @@ def test_pause_returns_only_once_no_step_is_in_progress(engine):
     finally:
         engine.on_step = None
         engine.resume()
+
+
+def test_auto_precision_is_measured_on_this_models_decode_shapes(tiny_model_dir):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    engine = LocalEngine(tiny_model_dir, dtype="auto")
+    try:
+        chosen = engine.precision
+        assert chosen.purpose == "decode" and set(chosen.seconds) == {"float32", "bfloat16"}
+        assert chosen.shape[1:3] == (config.hidden_size, config.intermediate_size)
+        assert engine.model.dtype == chosen.torch_dtype
+    finally:
+        engine.close()
