@@ -66,7 +66,8 @@ MODULES: dict[str, list[str]] = {
         # a mutant that hangs a call waits on a worker, using no CPU time (mutmut's limit)
         "--timeout=30"],
     "areal_flow/inference/local.py": [
-        "tests/test_local_engine.py", "tests/test_decode_paths.py"] + [
+        # a mutant that loses a request leaves a test waiting on it without CPU time
+        "--timeout=30", "tests/test_local_engine.py", "tests/test_decode_paths.py"] + [
         # weights kept from the trainer, copied after sharing, and LoRA adapters, in process
         f"tests/test_runtime_checkpoint.py::test_{name}" for name in (
             "weight_sync_makes_the_local_engine_match_the_trainer",
