@@ -75,6 +75,7 @@ MODULES: dict[str, list[str]] = {
             "a_copied_update_after_sharing_leaves_the_trainers_tensors_alone")] + [
         f"tests/test_lora.py::test_{name}" for name in (
             "after_lora_steps_the_engine_generates_what_the_merged_model_does",
+            "removing_the_adapter_serves_the_base_model_again",
             "the_engine_refuses_an_adapter_that_does_not_fit")],
     # the sampler and the KV batch, split out of local.py
     "areal_flow/inference/sampling.py": ["tests/test_local_engine.py",

@@ -333,6 +333,7 @@ def test_stats_count_decode_steps_and_the_fraction_of_the_weight_read_bound(engi
     gaps = [b - a for a, b in zip(stamps, stamps[1:])]  # after the first: decode steps only
     measured = engine.weight_bytes / engine.read_bandwidth / (sum(gaps) / len(gaps))
     assert 0.5 * measured < engine.stats()["decode_mbu"] < 2 * measured
+    assert engine.stats()["decode_mbu"] == 0.0  # a window without decoding
 
 
 def test_a_bucket_of_tensors_updates_only_those(tiny_model_dir):
@@ -723,3 +724,23 @@ def test_auto_precision_is_measured_on_this_models_decode_shapes(tiny_model_dir)
         assert engine.model.dtype == chosen.torch_dtype
     finally:
         engine.close()
+
+
+def test_a_live_update_that_does_not_fit_the_engine_is_copied_not_kept(tiny_model_dir):
+    """Kept tensors must be every tensor, in the engine's dtype: a bucket, or fp32 tensors for
+    a bf16 engine, are copied in (and the engine's own tensors hold the new values)."""
+    for dtype, update in (("float32", "bucket"), ("bfloat16", "whole")):
+        engine = LocalEngine(tiny_model_dir, dtype=dtype)
+        try:
+            state = {k: t.float() for k, t in perturbed(engine.model, 0.05, seed=5).items()}
+            state["lm_head.weight"] = state["model.embed_tokens.weight"]  # one tensor, tied
+            if update == "bucket":
+                state = {"model.norm.weight": state["model.norm.weight"]}
+            kept = engine.update_weights(WeightUpdate(version=0, state_dict=state, live=True))
+            assert kept is False and not engine._shared
+            own = engine.model.state_dict()
+            for name, tensor in state.items():
+                assert own[name].data_ptr() != tensor.data_ptr()
+                torch.testing.assert_close(own[name].float(), tensor.to(own[name].dtype).float())
+        finally:
+            engine.close()

@@ -151,6 +151,23 @@ def test_a_lora_policys_reference_is_its_own_base_model(trained, tiny_model_dir)
     assert all(p.requires_grad for n, p in trainer.model.named_parameters() if is_adapter(n))
 
 
+def test_removing_the_adapter_serves_the_base_model_again(trained, tiny_model_dir):
+    trainer, _, _ = trained
+    expected = greedy_reference(tiny_model_dir)
+    engine = LocalEngine(tiny_model_dir)
+    try:
+        adapter = {k: t.clone() for k, t in trainer.full_state_dict().items() if is_adapter(k)}
+        engine.update_weights(WeightUpdate(version=1, state_dict=adapter, lora=trainer.adapter))
+        adapted = engine_greedy(engine)
+        engine.remove_adapter()
+        assert not engine.paused  # it was running: it runs again
+        tokens, logprobs = engine_greedy(engine)
+    finally:
+        engine.close()
+    assert adapted[0] != expected[0]  # the adapter mattered, so the check below can fail
+    assert tokens == expected[0] and logprobs == pytest.approx(expected[1], abs=1e-4)
+
+
 def test_the_engine_refuses_an_adapter_that_does_not_fit(trained, tiny_model_dir):
     trainer, _, _ = trained
     engine = LocalEngine(tiny_model_dir)
