@@ -97,6 +97,7 @@ def test_logprobs_match_a_full_forward_pass_with_requests_joining_mid_batch(engi
     for req, out in zip(reqs, outs):
         assert out.finish_reason == "length" and len(out.token_ids) == 24
         assert out.temperature == 0.7 and set(out.versions) == {0}
+        assert out.text == engine.tokenizer.decode(out.token_ids, skip_special_tokens=True)
         expected = forward_logprobs(engine.model, req.input_ids, out.token_ids, 0.7)
         torch.testing.assert_close(torch.tensor(out.logprobs), expected, atol=1e-4, rtol=1e-4)
 
