@@ -67,7 +67,7 @@ MODULES: dict[str, list[str]] = {
         "--timeout=30"],
     "areal_flow/inference/local.py": [
         # a mutant that loses a request leaves a test waiting on it without CPU time
-        "--timeout=30", "tests/test_local_engine.py", "tests/test_decode_paths.py"] + [
+        "--timeout=15", "tests/test_local_engine.py", "tests/test_decode_paths.py"] + [
         # weights kept from the trainer, copied after sharing, and LoRA adapters, in process
         f"tests/test_runtime_checkpoint.py::test_{name}" for name in (
             "weight_sync_makes_the_local_engine_match_the_trainer",
@@ -107,6 +107,9 @@ FUNCTIONS: dict[str, list[str]] = {
             "ǁ_extend", "ǁ_completion", "ǁ_take_out", "ǁ_rotation", "ǁ_answering",
             ".x__resubmission_seed", ".x__token_versions", ".x__version")],
 }
+# mutants run at once (default 2, the cores here): more where many mutants hang a test until
+# its timeout, using no CPU while they wait
+CHILDREN: dict[str, int] = {"areal_flow/inference/local.py": 6}
 # statements whose mutants would only change wording (see the module docstring)
 WORDING = [r"^\s*raise ", r"^\s*(log|logger)\.\w+\(", r"^\s*warnings\.warn\("]
 CAUGHT = {"killed", "timeout"}
@@ -137,7 +140,8 @@ def run_module(module: str, tests: list[str], workdir: Path, commit: str,
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     start = time.perf_counter()
     patterns = FUNCTIONS.get(module, [])
-    done = subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", "2",
+    children = str(CHILDREN.get(module, 2))
+    done = subprocess.run([sys.executable, "-m", "mutmut", "run", "--max-children", children,
                            *(patterns if again is None else again)],
                           cwd=workdir, env=env, capture_output=True, text=True)
     seconds = time.perf_counter() - start
