@@ -745,3 +745,48 @@ def test_a_live_update_that_does_not_fit_the_engine_is_copied_not_kept(tiny_mode
                 torch.testing.assert_close(own[name].float(), tensor.to(own[name].dtype).float())
         finally:
             engine.close()
+
+
+def test_every_boundary_of_what_a_request_may_hold(engine):
+    vocab, positions = engine.vocab_size, engine.max_length
+    engine.pause()
+    try:
+        engine.submit(request([0, vocab - 1], max_new_tokens=2, stop_token_ids=[0, vocab - 1]))
+        engine.submit(request([1] * (positions - 8), max_new_tokens=8))  # exactly the positions
+        for field, bad, where in (("input_ids", [0, vocab], 1), ("input_ids", [-1, 5], 0),
+                                  ("stop_token_ids", [3, 4, vocab + 7], 2)):
+            ids = {"input_ids": [5, 6]} | ({field: bad} if field == "input_ids" else {})
+            sampling = {"stop_token_ids": bad} if field == "stop_token_ids" else {}
+            with pytest.raises(ValueError, match=rf"'{field}' holds token id {bad[where]} at "
+                                                 rf"position {where}, outside .*\[0, {vocab}\)"):
+                engine.submit(request(ids["input_ids"], max_new_tokens=2, **sampling))
+        with pytest.raises(ValueError, match="exceeds the model's"):
+            engine.submit(request([1] * (positions - 7), max_new_tokens=8))
+    finally:
+        engine.abort()
+        engine.resume()
+
+
+def test_requests_without_a_seed_draw_from_the_engines_seeded_generator(tiny_model_dir):
+    def unseeded(seed):
+        engine = LocalEngine(tiny_model_dir, seed=seed)
+        try:
+            return [o.token_ids for o in generate_together(engine, [
+                request(p, temperature=1.0, max_new_tokens=12, ignore_eos=True)
+                for p in prompts(3)])]
+        finally:
+            engine.close()
+
+    first, again, other = unseeded(3), unseeded(3), unseeded(4)
+    assert first == again and first != other
+    assert len({tuple(t) for t in first}) == 3
+
+
+def test_prefill_counters_add_up_over_a_window(engine):
+    engine.stats()
+    a, b = list(range(30, 50)), list(range(100, 111))
+    generate_together(engine, group(a, 3, temperature=1.0, max_new_tokens=3))
+    generate_together(engine, group(b, 2, temperature=1.0, max_new_tokens=3))
+    stats = engine.stats()
+    assert stats["prefill_tokens"] == len(a) + len(b)
+    assert stats["prefill_shared_tokens"] == 2 * len(a) + len(b)
