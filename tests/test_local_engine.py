@@ -790,3 +790,33 @@ def test_prefill_counters_add_up_over_a_window(engine):
     stats = engine.stats()
     assert stats["prefill_tokens"] == len(a) + len(b)
     assert stats["prefill_shared_tokens"] == 2 * len(a) + len(b)
+
+
+def test_the_batch_never_exceeds_its_size(tiny_model_dir):
+    engine = LocalEngine(tiny_model_dir, max_batch_size=2)
+    sizes = []
+    engine.on_step = lambda eng: sizes.append(len(eng._running))
+    try:
+        outs = generate_together(engine, [request(p, temperature=0, max_new_tokens=6,
+                                                  ignore_eos=True) for p in prompts(5)])
+    finally:
+        engine.close()
+    assert [len(o.token_ids) for o in outs] == [6] * 5 and max(sizes) == 2
+
+
+def test_a_failing_forward_fails_its_requests_and_the_engine_keeps_serving(engine):
+    forward = engine.model.forward
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("out of memory (injected)")
+
+    engine.model.forward = broken
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            generate_together(engine, [request(p, temperature=0, max_new_tokens=4)
+                                       for p in prompts(2)])
+    finally:
+        engine.model.forward = forward
+    out = asyncio.run(engine.generate(request([5, 6], temperature=0, max_new_tokens=3,
+                                              ignore_eos=True)))
+    assert len(out.token_ids) == 3 and engine.stats()["running"] == 0
