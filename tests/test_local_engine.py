@@ -820,3 +820,21 @@ def test_a_failing_forward_fails_its_requests_and_the_engine_keeps_serving(engin
     out = asyncio.run(engine.generate(request([5, 6], temperature=0, max_new_tokens=3,
                                               ignore_eos=True)))
     assert len(out.token_ids) == 3 and engine.stats()["running"] == 0
+
+
+def test_aborting_one_request_leaves_the_first_one_running(tiny_model_dir):
+    engine = LocalEngine(tiny_model_dir)
+    try:
+        engine.pause()
+        first = engine.submit(GenerationRequest(
+            input_ids=[5, 6], rid="first",
+            sampling=SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)))
+        other = engine.submit(GenerationRequest(
+            input_ids=[7, 8], rid="other",
+            sampling=SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)))
+        engine.abort("other")
+        engine.resume()
+        assert other.future.result(timeout=60).finish_reason == "abort"
+        assert first.future.result(timeout=60).finish_reason == "length"
+    finally:
+        engine.close()
