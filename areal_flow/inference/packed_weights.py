@@ -16,9 +16,13 @@ BATCH_HINT = 16
 """Rows oneDNN tunes the packed layout for (decode's batches: any row count works)."""
 
 
+DEVICES = {"cpu"}
+"""Device types whose linear layers run on oneDNN (a GPU's run on cuBLAS: nothing to pack)."""
+
+
 def available(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether packing applies: bf16 weights on a CPU whose oneDNN has bf16 kernels."""
-    return (device.type == "cpu" and dtype == torch.bfloat16
+    return (device.type in DEVICES and dtype == torch.bfloat16
             and torch.backends.mkldnn.is_available()
             and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
