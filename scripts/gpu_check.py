@@ -236,7 +236,12 @@ def main() -> int:
         except Exception as exc:  # the report still says what ran
             report[name] = {"passed": False, "error": repr(exc)}
         report["seconds"][name] = round(time.perf_counter() - start, 1)
+        write()  # after every part: a check stopped at a time limit still reports what ran
         return report[name]
+
+    def write():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=1) + "\n")
 
     part("tests", run_tests, device, folder)
     roof = part("limits", limits, device)
@@ -246,8 +251,7 @@ def main() -> int:
     part("decode", decode, device, model, params, roof["copy_bytes_per_s"])
     part("recipe", recipe, device, model, params, peak, args.steps, folder)
     report["seconds"]["total"] = round(time.perf_counter() - began, 1)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
+    write()
     print(summary(report, out))
     failed = [name for name in ("tests", "decode", "recipe")
               if report[name].get("passed") is False]
