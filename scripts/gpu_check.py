@@ -132,7 +132,8 @@ def build_model(device: str, folder: Path) -> tuple[Path, int]:
     return path, params
 
 
-def decode(device: str, model: Path, params: int, bandwidth: float) -> dict:
+def decode(device: str, model: Path, params: int, bandwidth: float,
+           profile: Path | None = None) -> dict:
     import asyncio
 
     from areal_flow.inference.local import LocalEngine
@@ -156,13 +157,46 @@ def decode(device: str, model: Path, params: int, bandwidth: float) -> dict:
     try:
         once(4)
         short, long = once(8), once(new)  # the difference: decode steps only
+        if profile:  # the kernels of 16 engine tokens (CUPTI sees the engine thread)
+            from torch.profiler import ProfilerActivity
+            with torch.profiler.profile(activities=[ProfilerActivity.CPU] + (
+                    [ProfilerActivity.CUDA] if device == "cuda" else [])) as prof:
+                once(16)
+            profile.mkdir(parents=True, exist_ok=True)
+            (profile / "engine_profile.txt").write_text(prof.key_averages().table(
+                sort_by="count", row_limit=40, max_name_column_width=60))
     finally:
         engine.close()
     step = (long - short) / (new - 8)
+    bare = bare_step(device, model, dtype, batch, new)
     weight_bytes = params * (2 if dtype == "bfloat16" else 4)
     return {"dtype": dtype, "batch": batch, "seconds_per_step": step,
             "tokens_per_s": batch / step,
-            "bandwidth_use": weight_bytes / step / bandwidth}
+            "bandwidth_use": weight_bytes / step / bandwidth,
+            "bare_seconds_per_step": bare, "engine_over_bare": step / bare}
+
+
+def bare_step(device: str, model: Path, dtype: str, batch: int, new: int) -> float:
+    """A bare transformers decode loop's step on the same model, batch and prompts: the argmax
+    token of every row fed back with the KV cache (benchmarks/decode.py's anchor, on the device)."""
+    from transformers import AutoModelForCausalLM
+
+    net = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).to(device)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    prompts = torch.tensor([list(range(10 + i, 42 + i)) for i in range(batch)], device=device)
+
+    @torch.inference_mode()
+    def once(n: int) -> float:
+        start = time.perf_counter()
+        out = net(input_ids=prompts, use_cache=True)
+        for _ in range(n):
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            out = net(input_ids=token, past_key_values=out.past_key_values, use_cache=True)
+        sync()
+        return time.perf_counter() - start
+
+    once(4)
+    return (once(new) - once(8)) / (new - 8)
 
 
 def recipe(device: str, model: Path, params: int, peak: float, steps: int,
@@ -218,6 +252,7 @@ def main() -> int:
                         "benchmarks/results/gpu/report.json, with --cpu gpu_check.json in a "
                         "temporary folder)")
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--profile", type=Path, help="a folder for the engine's operator profile")
     args = parser.parse_args()
     device = "cpu" if args.cpu else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
@@ -248,7 +283,7 @@ def main() -> int:
     peak = roof.get("gemm_bfloat16_flops" if device == "cuda" else "gemm_float32_flops")
     model, params = build_model(device, folder)
     report["model"] = {"path": str(model), "parameters": params}
-    part("decode", decode, device, model, params, roof["copy_bytes_per_s"])
+    part("decode", decode, device, model, params, roof["copy_bytes_per_s"], args.profile)
     part("recipe", recipe, device, model, params, peak, args.steps, folder)
     report["seconds"]["total"] = round(time.perf_counter() - began, 1)
     write()
@@ -271,7 +306,9 @@ def summary(r: dict, out: Path) -> str:
     if "seconds_per_step" in dec:
         lines.append(f"decode ({dec['dtype']}, batch {dec['batch']}): "
                      f"{dec['seconds_per_step'] * 1e3:.1f} ms/step, {dec['tokens_per_s']:.0f} "
-                     f"tokens/s, {dec['bandwidth_use']:.0%} of the copy bandwidth")
+                     f"tokens/s, {dec['bandwidth_use']:.1%} of the copy bandwidth; a bare "
+                     f"transformers loop {dec['bare_seconds_per_step'] * 1e3:.1f} ms/step "
+                     f"(engine/bare {dec['engine_over_bare']:.2f})")
     if rec.get("passed"):
         lines.append(f"recipe: {rec['seconds_per_step']:.2f} s/step, {rec['trained_steps']} of "
                      f"{rec['steps']} steps trained, MFU {rec['training_mfu']:.1%}, "

@@ -58,7 +58,8 @@ def run_recipe(recipe: str, args: list[str], *, launcher: tuple[str, ...] = (),
     """`python recipes/<recipe>.py ARGS` from the repo root (tests' rewards importable, and
     whatever is installed in `paths`)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(map(str, (*paths, ROOT)))}
+           "PYTHONPATH": os.pathsep.join(map(str, (*paths, ROOT, *filter(None, [
+               os.environ.get("PYTHONPATH")]))))}  # the GPU check's site folder stays in reach
     result = subprocess.run([*(launcher or (sys.executable,)), str(ROOT / "recipes" / recipe),
                              *args], cwd=ROOT, env=env, capture_output=True, text=True,
                             timeout=timeout)

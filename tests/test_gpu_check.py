@@ -23,6 +23,7 @@ def test_the_cpu_run_of_the_gpu_check_passes_every_part_and_reports_numbers(tmp_
     assert report["limits"]["gemm_float32_flops"] > 1e9
     assert report["limits"]["copy_bytes_per_s"] > 1e8
     assert 0 < report["decode"]["bandwidth_use"] < 1
+    assert report["decode"]["bare_seconds_per_step"] > 0
     recipe = report["recipe"]
     assert recipe["passed"] and recipe["steps"] == 5 and recipe["trained_steps"] >= 1
     assert 0 < recipe["training_mfu"] < 1 and recipe["seconds_per_step"] > 0
@@ -35,3 +36,15 @@ def test_a_wheel_missing_from_the_folder_stops_the_check_naming_the_package(tmp_
                           text=True, timeout=60, env={**os.environ, "GPU_WHEELS": str(tmp_path)})
     assert done.returncode == 2
     assert "no wheel of docstring-parser==0.18.0" in done.stderr and "gpu_wheels.sh" in done.stderr
+
+
+def test_jsonl_data_loads_without_the_datasets_package(tmp_path, monkeypatch):
+    """The GPU image has no `datasets`: the check's recipe reads its JSONL rows without it."""
+    import sys
+
+    from areal_flow.data.offline import load_rows
+
+    monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` now fails
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"question": "q1", "answer": "1"}\n{"question": "q2", "answer": "2"}\n')
+    assert [row["answer"] for row in load_rows(str(data), "train")] == ["1", "2"]
