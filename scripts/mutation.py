@@ -78,9 +78,9 @@ MODULES: dict[str, list[str]] = {
             "removing_the_adapter_serves_the_base_model_again",
             "the_engine_refuses_an_adapter_that_does_not_fit")],
     # the sampler and the KV batch, split out of local.py
-    "areal_flow/inference/sampling.py": ["tests/test_local_engine.py",
+    "areal_flow/inference/sampling.py": ["--timeout=15", "tests/test_local_engine.py",
                                          "tests/test_decode_paths.py"],
-    "areal_flow/inference/kv_batch.py": ["tests/test_decode_paths.py",
+    "areal_flow/inference/kv_batch.py": ["--timeout=15", "tests/test_decode_paths.py",
                                          "tests/test_local_engine.py"],
     "areal_flow/registry.py": ["tests/test_registry.py"],
     "areal_flow/runtime/engine.py": [
@@ -109,7 +109,9 @@ FUNCTIONS: dict[str, list[str]] = {
 }
 # mutants run at once (default 2, the cores here): more where many mutants hang a test until
 # its timeout, using no CPU while they wait
-CHILDREN: dict[str, int] = {"areal_flow/inference/local.py": 6}
+CHILDREN: dict[str, int] = {"areal_flow/inference/local.py": 6,
+                            "areal_flow/inference/sampling.py": 4,
+                            "areal_flow/inference/kv_batch.py": 4}
 # statements whose mutants would only change wording (see the module docstring)
 WORDING = [r"^\s*raise ", r"^\s*(log|logger)\.\w+\(", r"^\s*warnings\.warn\("]
 CAUGHT = {"killed", "timeout"}

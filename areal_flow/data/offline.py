@@ -120,13 +120,12 @@ _BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parq
 
 
 def _load_rows(dataset: str, split: str) -> list[dict[str, Any]]:
-    import datasets
-
     path = Path(dataset)
     if path.suffix in _BUILDERS and not path.exists():
         raise FileNotFoundError(f"--dataset {dataset}: no such file")
     if path.suffix == ".jsonl" and path.is_file():
-        return _jsonl_rows(path)
+        return _jsonl_rows(path)  # no `datasets` import: a GPU image without it runs JSONL data
+    import datasets
     if path.is_file():
         if path.suffix not in _BUILDERS:
             raise ValueError(f"--dataset {dataset}: a file must end in one of {sorted(_BUILDERS)}")
