@@ -90,15 +90,19 @@ class PolicyLossConfig:
     them), stale tokens take pi_theta on the first mini-batch (exact) and a log-linear
     interpolation in versions on later ones (approximate); see F.interpolate_proximal."""
     mismatch_correction: Literal[
-        "none", "tis", "token_mask", "sequence_mask", "geometric_mask"] = attrs.field(
-        default="none",
-        validator=v.in_(("none", "tis", "token_mask", "sequence_mask", "geometric_mask")))
+        "auto", "none", "tis", "token_mask", "sequence_mask", "geometric_mask"] = attrs.field(
+        default="auto",
+        validator=v.in_(("auto", "none", "tis", "token_mask", "sequence_mask",
+                         "geometric_mask")))
     """Correct the inference engine's logprobs differing from the trainer's at the same weights,
     on the tokens where both are known (sampled by the version being trained; without
     recompute_proximal only on the first mini-batch). tis: there pi_prox := pi_train and the
     behavior weight becomes min(pi_train / pi_rollout, mismatch_cap). token_mask: zero loss for
     a token whose ratio is outside mismatch_band; sequence_mask: for the whole row when any of
-    its tokens is; geometric_mask: when the row's geometric-mean ratio is. See
+    its tokens is; geometric_mask: when the row's geometric-mean ratio is. auto: the recipes
+    choose tis when the engine computes in a lower precision than the trainer (bf16 rollouts,
+    fp32 training), none otherwise, and config.yaml records the choice
+    (`precision.mismatch_default`); a loss that meets auto unresolved applies none. See
     docs/algorithms.md, "Rollout/training mismatch"."""
     mismatch_cap: float = attrs.field(default=2.0, validator=v.gt(1.0))
     """C: tis truncates pi_train / pi_rollout at C; mismatch/outside_cap_fraction counts the

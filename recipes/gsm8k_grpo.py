@@ -71,6 +71,7 @@ def main(cfg: Config) -> None:
     cfg, measured = precision.measured(cfg, model, ("train", trainer),
                                                 ("critic", critic),
                                                 in_process=pool_class.in_process)
+    algorithm = gsm8k_rl.algorithm(cfg)  # with the mismatch correction the precisions chose
 
     pool = scheduler = rewards = None
     display = LiveDisplay(cfg.steps, start, enabled=rank == 0, columns={
@@ -78,6 +79,9 @@ def main(cfg: Config) -> None:
         "reward/flat_group_fraction": "flat groups", "response_length/mean": "length",
         **({"critic/value_loss": "value loss"} if critic else {}),
         **({"distill/reverse_kl": "reverse KL"} if teacher else {}),
+        # |log pi_train - log pi_rollout|: shown where a correction acts on it
+        **({"mismatch/abs_log_ratio_mean": "mismatch"}
+           if cfg.algorithm.loss.mismatch_correction != "none" else {}),
         "eval/reward": "eval reward", "eval/task_metrics": "eval ",
         "reward_runner/failure_rate": "reward fails", "tokens_per_second": "tok/s",
         "perf/mfu": "MFU", "perf/decode_mbu": "decode MBU",

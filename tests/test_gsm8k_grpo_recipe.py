@@ -113,15 +113,21 @@ def test_two_torchrun_ranks_give_the_one_process_first_step_loss(one_process, ti
     assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4)
 
 
-def test_bf16_training_and_generation_run_end_to_end(tiny_model_dir, gsm8k_file, tmp_path):
-    """The recipes' choice where bf16 is fast (`runtime/precision.py`), whatever this machine
-    is."""
+def test_bf16_generation_for_fp32_training_runs_with_the_mismatch_corrected(
+        tiny_model_dir, gsm8k_file, tmp_path):
+    """The recipes' choice where bf16 decodes fast but training stays fp32 (`runtime/
+    precision.py`; bf16 training: test_engine_steps), whatever this machine is: the mismatch
+    correction "auto" settles on TIS, which weighs the current version's tokens by
+    min(pi_train / pi_rollout, 2) (without it their weight is 1 in the recipe)."""
     run_recipe(RECIPE, tiny_args(tiny_model_dir, gsm8k_file, tmp_path / "run", *SAME_FIRST_BATCH,
-                                 "--train.dtype", "bfloat16", "--inference.dtype", "bfloat16",
-                                 fp32=False))
+                                 "--train.dtype", "float32", "--inference.dtype", "bfloat16",
+                                 "--rollout.max-staleness", "0", fp32=False))
     check_run_folder(tmp_path / "run", 2, rows_trained=True, task=())
     config = (tmp_path / "run" / "config.yaml").read_text()
-    assert config.count("dtype: bfloat16") >= 2  # the trainer's and the engine's
+    assert "dtype: bfloat16" in config and "mismatch_correction: tis" in config
+    weights = [m["importance_weight_max"] for m in metrics(tmp_path / "run")
+               if "importance_weight_max" in m]
+    assert weights and max(abs(w - 1) for w in weights) > 1e-4, weights
 
 
 def test_launched_protocol_servers(tiny_model_dir, gsm8k_file, tmp_path):

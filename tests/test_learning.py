@@ -40,10 +40,11 @@ def world():
         dist.destroy_process_group()
 
 
-def run(model_dir, algorithm, *, eta, steps=30, critic_lr=None):
-    """Train for `steps` batches; returns per-step mean rewards, train stats and staleness keys."""
-    torch.manual_seed(0)
-    engine = LocalEngine(model_dir, seed=0)
+def run(model_dir, algorithm, *, eta, steps=30, critic_lr=None, seed=0, dtype="float32"):
+    """Train for `steps` batches, generating in `dtype`; returns per-step mean rewards, train
+    stats and staleness keys."""
+    torch.manual_seed(seed)
+    engine = LocalEngine(model_dir, seed=seed, dtype=dtype)
     trainer = TrainEngine(model_dir, TrainConfig(optim=OptimizerConfig(lr=1e-2)))
     critic = TrainEngine(model_dir, TrainConfig(optim=OptimizerConfig(lr=critic_lr)),
                          value=True) if critic_lr else None
@@ -51,7 +52,7 @@ def run(model_dir, algorithm, *, eta, steps=30, critic_lr=None):
         pool=engine, workflow="tests.target_fraction", dataset=[{"id": i} for i in range(50)],
         tokenizer=AutoTokenizer.from_pretrained(model_dir), score=unused,
         config=RolloutConfig(batch_size=4, group_size=4, max_staleness=eta, max_concurrent=64),
-        sampling=SamplingParams(max_new_tokens=16, ignore_eos=True), seed=0)
+        sampling=SamplingParams(max_new_tokens=16, ignore_eos=True), seed=seed)
     rewards, stats, lags = [], [], set()
     try:
         with scheduler:
@@ -119,3 +120,26 @@ def test_ppo_critic_loss_falls_and_the_reward_rises(world, tiny_model_dir):
     value_loss = [s["critic/value_loss"] for s in stats]
     first, last = sum(value_loss[:5]) / 5, sum(value_loss[-5:]) / 5
     assert last < 0.5 * first, value_loss
+
+
+def test_grpo_learns_from_bf16_rollouts_with_the_correction_auto_chooses(world, tiny_model_dir):
+    """Rollouts in bf16 against fp32 training, the recipes' default where bf16 decodes faster:
+    `mismatch_correction` "auto" settles on TIS there, and the reward rises over three seeds as
+    with fp32 rollouts (mean reward over all steps, the area under the curve, within 0.05)."""
+    from areal_flow.runtime.precision import mismatch_default
+
+    loss = PolicyLossConfig(recompute_proximal=False)  # the recipes' setting
+    corrected = mismatch_default(loss, "bfloat16", "float32")
+    assert corrected.mismatch_correction == "tis"
+    area = {}
+    for dtype, config in (("float32", loss), ("bfloat16", corrected)):
+        curves = [run(tiny_model_dir, GRPO(GRPOConfig(loss=config)), eta=1, seed=seed,
+                      dtype=dtype, steps=20) for seed in (0, 1, 2)]
+        for rewards, stats, _ in curves:
+            assert_learned(rewards)
+        area[dtype] = sum(sum(r) / len(r) for r, _, _ in curves) / len(curves)
+        mismatch = max(s.get("mismatch/abs_log_ratio_mean", 0.0) for _, st, _ in curves
+                       for s in st)
+        # bf16's rounding was there to correct (fp32's differs by reduction order only)
+        assert (mismatch > 1e-4) == (dtype == "bfloat16"), mismatch
+    assert area["bfloat16"] >= area["float32"] - 0.05, area

@@ -336,7 +336,9 @@ def test_every_option_of_the_config_has_its_correction():
     import typing
 
     choices = typing.get_args(typing.get_type_hints(PolicyLossConfig)["mismatch_correction"])
-    assert set(choices) == set(F.MISMATCH_CORRECTIONS) == set(MODES)
+    assert set(choices) == set(F.MISMATCH_CORRECTIONS) == {*MODES, "auto"}
+    # auto reaches a loss only unresolved (no recipe chose): it is none's correction
+    assert F.MISMATCH_CORRECTIONS["auto"] == F.MISMATCH_CORRECTIONS["none"]
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [

@@ -125,3 +125,56 @@ def test_the_mfu_denominator_is_the_probes_rate_in_the_dtype_in_use(monkeypatch,
     flops = 2 * 256 * 96 * 192
     assert precision.gemm_rate(tiny_model_dir, "float32") == pytest.approx(flops / 4e-3)
     assert precision.gemm_rate(tiny_model_dir, "bfloat16") == pytest.approx(flops / 1e-3)
+
+
+@pytest.mark.parametrize(("rollouts", "train", "chosen"), [
+    ("bfloat16", "float32", "tis"),  # bf16 rollouts' log-probs differ from fp32 training's
+    ("float32", "float32", "none"),
+    ("bfloat16", "bfloat16", "none"),
+    ("float32", "bfloat16", "none"),
+    (None, "float32", "tis"),  # servers that choose their own precision
+    (None, "bfloat16", "tis"),  # (fp8, say): unknown is corrected, at no cost where equal
+])
+def test_auto_turns_tis_on_where_rollouts_are_narrower_than_training(rollouts, train, chosen):
+    from areal_flow.config import PolicyLossConfig
+
+    loss = PolicyLossConfig(eps_clip=0.3)
+    assert loss.mismatch_correction == "auto"  # the default
+    settled = precision.mismatch_default(loss, rollouts, train)
+    assert settled.mismatch_correction == chosen and settled.eps_clip == 0.3
+    explicit = PolicyLossConfig(mismatch_correction="token_mask")
+    assert precision.mismatch_default(explicit, rollouts, train) is explicit
+
+
+@attrs.frozen
+class _RLCfg:
+    train: object
+    inference: object
+    algorithm: object
+
+
+def test_the_recorded_config_holds_the_mismatch_correction_the_precisions_chose(
+        monkeypatch, tiny_model_dir):
+    from areal_flow.algorithms.grpo import GRPOConfig
+    from areal_flow.config import InferenceConfig
+    from areal_flow.runtime.engine import TrainConfig
+
+    monkeypatch.setattr(precision, "_seconds", lambda shape, device, budget=0.3:
+                        {"float32": 4e-3, "bfloat16": 1e-3})
+    monkeypatch.setattr(precision, "_measured", {})
+
+    class Trainer:
+        precision = choose("float32", tiny_model_dir, purpose="train")
+
+    cfg = _RLCfg(train=TrainConfig(dtype="float32"), inference=InferenceConfig(dtype="auto"),
+                 algorithm=GRPOConfig())
+    resolved, note = precision.measured(cfg, str(tiny_model_dir), ("train", Trainer()),
+                                        in_process=True)
+    assert resolved.inference.dtype == "bfloat16"
+    assert resolved.algorithm.loss.mismatch_correction == "tis"
+    assert note.splitlines()[-1] == ("algorithm.loss.mismatch_correction: tis (auto: rollouts "
+                                     "in bfloat16, training in float32)")
+    same = attrs.evolve(cfg, inference=InferenceConfig(dtype="float32"))
+    resolved, _ = precision.measured(same, str(tiny_model_dir), ("train", Trainer()),
+                                     in_process=True)
+    assert resolved.algorithm.loss.mismatch_correction == "none"

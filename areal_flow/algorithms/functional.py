@@ -298,6 +298,7 @@ def truncated_weight(prox: Tensor, behav: Tensor, train: Tensor, known: Tensor,
 
 
 MISMATCH_CORRECTIONS = {
+    "auto": (decoupled_weight, drop_nothing),  # unresolved (no recipe chose): none's
     "none": (decoupled_weight, drop_nothing),
     "tis": (truncated_weight, drop_nothing),
     "token_mask": (decoupled_weight, drop_tokens),

@@ -19,6 +19,8 @@ from typing import Any, Literal
 import attrs
 import torch
 
+from areal_flow.config import PolicyLossConfig
+
 DTYPES = ("float32", "bfloat16")
 MEASURED = {"cpu"}
 """Device types whose bf16 speed must be measured (a GPU's is known: bf16)."""
@@ -187,10 +189,36 @@ def measured(cfg: Any, model: str, *engines: tuple[str, Any],
         if engine is not None:
             changes[field] = attrs.evolve(getattr(cfg, field), dtype=engine.precision.dtype)
             choices.append(f"{field}.dtype: {engine.precision.describe()}")
-    if in_process and getattr(cfg, "inference", None) is not None:
-        engine = choose(cfg.inference.dtype, model, purpose="decode",
-                        device=resolve_device(cfg.inference.device))
-        changes["inference"] = attrs.evolve(cfg.inference, dtype=engine.dtype)
-        choices.append(f"inference.dtype: {engine.describe()}")
+    rollouts = None  # the engine's dtype, where known
+    if getattr(cfg, "inference", None) is not None:
+        rollouts = cfg.inference.dtype if cfg.inference.dtype != "auto" else None
+        if in_process:
+            engine = choose(cfg.inference.dtype, model, purpose="decode",
+                            device=resolve_device(cfg.inference.device))
+            changes["inference"] = attrs.evolve(cfg.inference, dtype=engine.dtype)
+            choices.append(f"inference.dtype: {engine.describe()}")
+            rollouts = engine.dtype
+    algorithm = getattr(cfg, "algorithm", None)
+    if "train" in changes and isinstance(loss := getattr(algorithm, "loss", None),
+                                         PolicyLossConfig):
+        chosen = mismatch_default(loss, rollouts, changes["train"].dtype)
+        if chosen is not loss:
+            changes["algorithm"] = attrs.evolve(algorithm, loss=chosen)
+            choices.append(f"algorithm.loss.mismatch_correction: {chosen.mismatch_correction} "
+                           f"(auto: rollouts in {rollouts or 'a precision the servers choose'}, "
+                           f"training in {changes['train'].dtype})")
     note = "precision at start (areal_flow/runtime/precision.py):\n" + "\n".join(choices)
     return attrs.evolve(cfg, **changes), note
+
+
+def mismatch_default(loss: PolicyLossConfig, rollouts: str | None,
+                     train: str) -> PolicyLossConfig:
+    """`loss` with mismatch_correction "auto" settled: "tis" when the engine's dtype (`rollouts`;
+    None: servers that choose their own) may be lower than the trainer's, so its log-probs
+    differ from the trainer's at the same weights by more than reduction order; "none" when it
+    is known to be as wide. An explicit choice is kept. TIS costs nothing where the two agree
+    (its weight min(pi_train / pi_rollout, C) is then 1)."""
+    if loss.mismatch_correction != "auto":
+        return loss
+    narrower = rollouts is None or getattr(torch, rollouts).itemsize < getattr(torch, train).itemsize
+    return attrs.evolve(loss, mismatch_correction="tis" if narrower else "none")
