@@ -109,12 +109,61 @@ def test_the_sampler_is_the_inverse_cdf_of_each_rows_uniform_and_logs_log_softma
 
 
 def test_a_uniform_rounded_up_to_the_total_takes_the_last_token_with_a_weight(monkeypatch):
-    """u < 1, but u·total can round to the total, above every entry of the CDF."""
+    """u < 1, but u·total can round to the total, above every entry of the CDF: each such row
+    takes its own last token with a weight (the first row's only one is token 0)."""
     from areal_flow.inference import sampling
     from areal_flow.types import SamplingParams
 
     monkeypatch.setattr(sampling.torch, "rand", lambda *a, **k: torch.ones(1))
-    logits = torch.tensor([[0.0, 1.0, 2.0, -float("inf"), -float("inf")]])
-    tokens, logprobs = sampling.sample(logits, [SamplingParams(temperature=1.0)], [None])
-    assert tokens.tolist() == [2]
-    assert logprobs.item() == pytest.approx(torch.log_softmax(logits, -1)[0, 2].item())
+    inf = float("inf")
+    logits = torch.tensor([[0.0, -inf, -inf, -inf, -inf], [0.0, 1.0, 2.0, -inf, -inf]])
+    tokens, logprobs = sampling.sample(logits, [SamplingParams(temperature=1.0)] * 2, [None] * 2)
+    assert tokens.tolist() == [0, 2]
+    assert logprobs.tolist() == pytest.approx(
+        [0.0, torch.log_softmax(logits, -1)[1, 2].item()], abs=1e-6)
+
+
+def test_a_uniform_of_zero_never_takes_a_token_without_weight(monkeypatch):
+    """u = 0 (drawn once in 2^24): u·total is 0, where the CDF is flat over the leading tokens
+    that the logits or the truncation ruled out; the first token with a weight is taken."""
+    from areal_flow.inference import sampling
+    from areal_flow.types import SamplingParams
+
+    monkeypatch.setattr(sampling.torch, "rand", lambda *a, **k: torch.zeros(1))
+    logits = torch.tensor([[-float("inf"), -float("inf"), 0.0, 1.0], [1.0, 0.0, 3.0, 2.0]])
+    tokens, _ = sampling.sample(logits, [SamplingParams(temperature=1.0),
+                                         SamplingParams(temperature=1.0, top_k=2)], [None] * 2)
+    assert tokens.tolist() == [2, 2]  # row 2's top-2 are tokens 2 and 3
+
+
+def test_truncated_rows_sample_as_untruncated_ones_at_large_logits():
+    """A truncated row's weights are exp(logit - max), as the others': at logits in the
+    hundreds, exp(logit) alone overflows float32."""
+    from areal_flow.inference.sampling import sample
+    from areal_flow.types import SamplingParams
+
+    logits = torch.tensor([[300.0, 299.0, 298.0, 0.0]] * 2)
+    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=3)]
+    for seed in range(30):
+        tokens, _ = sample(logits, params, [
+            torch.Generator().manual_seed(seed) for _ in params])
+        assert tokens[0] == tokens[1] and tokens[1] in (0, 1, 2), tokens
+
+
+def test_top_p_one_keeps_every_token_whatever_the_float32_running_sum():
+    """With top_p = 1 (off) on a row another option truncates, a token is never dropped for
+    the mass above it: float32 sums of probabilities can exceed 1 before the last token."""
+    from areal_flow.inference.sampling import truncate
+    from areal_flow.types import SamplingParams
+
+    found = 0
+    for seed in range(200):
+        logits = torch.randn(1, 100, generator=torch.Generator().manual_seed(seed)) * 3
+        logits[0, -1] = -40.0  # a token of tiny probability, ranked last
+        ranked = torch.softmax(logits, -1).sort(descending=True).values
+        if not ((ranked.cumsum(-1) - ranked) > 1).any():
+            continue  # this row's running sum stays at or below 1
+        found += 1
+        out = truncate(logits, [SamplingParams(top_k=100, top_p=1.0)])
+        assert torch.isfinite(out).all()
+    assert found > 0  # rows where the sum passes 1 exist, so the check above ran

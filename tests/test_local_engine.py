@@ -679,6 +679,8 @@ def test_every_boundary_of_the_truncation():
     # min-p: a probability equal to min_p times the top one's stays
     assert [kept(four, min_p=m) for m in (0.0, 0.5, 1.0)] == [4, 4, 4]
     assert kept([0.0, 0.0, -1.0, -5.0], min_p=0.3) == 3  # e^-1 ≈ 0.37 ≥ 0.3 > e^-5
+    # the floor is min_p times the top token's probability, not the runner-up's
+    assert kept([0.0, -1.0, -1.5], min_p=0.5) == 1  # 0.5 > e^-1 ≈ 0.37: one left
     # the most likely token always survives, and the options combine (the smallest set wins)
     assert kept([0.0, -1.0, -2.0], top_p=1e-9) == 1
     assert kept(four, top_k=3, top_p=0.3) == 2 and kept(four, top_k=2, top_p=0.75) == 2
