@@ -28,6 +28,7 @@ from attrs import validators as v
 
 from areal_flow import registry
 from areal_flow.config import dump, unstructure
+from areal_flow.run_lock import RunLock
 
 COMPLETE = "COMPLETE"
 """Marker written into a checkpoint folder once everything in it is on disk: a JSON manifest of
@@ -77,14 +78,22 @@ class RunDir:
     """The run folder. A new run refuses a folder that already holds one (unless resuming);
     resuming drops metric and sample lines after the checkpoint's step, so curves do not fork."""
 
-    def __init__(self, path: str | Path, *, resume: bool = False, keep_checkpoints: int = 0):
+    def __init__(self, path: str | Path, *, resume: bool = False, keep_checkpoints: int = 0,
+                 lock: bool = False):
+        """`lock`: hold the folder for this process's run until `close` (`RunLock`; the
+        recipes' rank 0 does), refusing a folder another live run holds."""
         self.path = Path(path)
         self.resume = resume
         self.keep_checkpoints = keep_checkpoints
         self.loggers: list[Any] = []
+        self._lock = None
         if resume and not self.path.is_dir():
             raise FileNotFoundError(f"--resume: no run folder at {self.path}")
+        if lock:  # first: a live holder is the reason to name, whatever the folder holds
+            self.path.mkdir(parents=True, exist_ok=True)
+            self._lock = RunLock(self.path)
         if not resume and (self.path / "metrics.jsonl").exists():
+            self.close()
             raise FileExistsError(f"{self.path} already holds a run: pass --resume to continue it "
                                   "or choose another --run-dir")
         self.path.mkdir(parents=True, exist_ok=True)
@@ -95,6 +104,7 @@ class RunDir:
             # refused now, before any model loads, rather than start over in a folder whose
             # metrics and checkpoint folders would then be overwritten
             folders = sorted(p.name for p in self.checkpoints.glob("step-*"))
+            self.close()
             raise FileNotFoundError(
                 f"--resume: no complete, undamaged checkpoint in {self.checkpoints} (folders: "
                 f"{', '.join(folders) or 'none'}); nothing was changed. To start this run over, "
@@ -128,6 +138,9 @@ class RunDir:
         for logger in self.loggers:
             logger.close()
         self.loggers = []
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     def log_samples(self, step: int, samples: Iterable[dict[str, Any]]) -> None:
         self._append("samples.jsonl", [{"step": step, **s} for s in samples])

@@ -68,7 +68,7 @@ def main(cfg: Config) -> None:
     # without the pair's fields is refused here, before any model loads
     train_pairs, eval_pairs, data_note = preference_pairs(cfg)
     run = RunDir(same_on_all_ranks(cfg.run_dir or RunDir.default_path("dpo")),
-                 resume=cfg.resume, keep_checkpoints=cfg.keep_checkpoints)
+                 resume=cfg.resume, keep_checkpoints=cfg.keep_checkpoints, lock=rank == 0)
     dist.barrier()  # every rank has checked the folder before rank 0 writes into it
     model = same_on_all_ranks(
         cfg.model or (str(offline.packaged_smollm2()) if rank == 0 else None))

@@ -56,7 +56,7 @@ def main(cfg: Config) -> None:
     gsm8k_rl.check_allocation(cfg)  # torchrun's world and this node's GPUs are --allocation's
     rank, world, _ = init_distributed()
     run = RunDir(same_on_all_ranks(cfg.run_dir or RunDir.default_path(gsm8k_rl.run_name(cfg))),
-                 resume=cfg.resume, keep_checkpoints=cfg.keep_checkpoints)
+                 resume=cfg.resume, keep_checkpoints=cfg.keep_checkpoints, lock=rank == 0)
     dist.barrier()  # every rank has checked the folder before rank 0 writes into it
     model = same_on_all_ranks(
         cfg.model or (str(offline.packaged_smollm2()) if rank == 0 else None))

@@ -53,7 +53,7 @@ class Config(RunConfig):
 def main(cfg: Config) -> None:
     rank, world, _ = init_distributed()
     run = RunDir(same_on_all_ranks(cfg.run_dir or RunDir.default_path("gsm8k_sft")),
-                 resume=cfg.resume, keep_checkpoints=cfg.keep_checkpoints)
+                 resume=cfg.resume, keep_checkpoints=cfg.keep_checkpoints, lock=rank == 0)
     dist.barrier()  # every rank has checked the folder before rank 0 writes into it
     model = same_on_all_ranks(
         cfg.model or (str(offline.packaged_smollm2()) if rank == 0 else None))

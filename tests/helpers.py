@@ -115,3 +115,20 @@ def plugin_rows(site: Path, word: str) -> list[list[str]]:
     rows = [line for line in run_cli("plugins", paths=(site,)).stdout.splitlines()
             if word in line]
     return [[c.strip() for c in row.strip("│ ").split("│")] for row in rows]
+
+
+HOLD = """
+import sys, time
+from areal_flow.run import RunDir
+run = RunDir(sys.argv[1], resume=len(sys.argv) > 2, lock=True)
+print("holding", flush=True)
+time.sleep(120)
+"""
+
+
+def hold_folder(folder, *, resume: bool = False):
+    """A live run in another process, holding `folder` (its pid is the lock's holder)."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(folder), *(["r"] * resume)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "holding", proc.stderr.read()
+    return proc

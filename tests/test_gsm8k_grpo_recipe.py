@@ -323,6 +323,26 @@ def test_bad_input_is_refused_before_any_weights_load(tiny_model_dir, gsm8k_file
 
 
 @pytest.mark.faults
+def test_a_resume_on_a_folder_a_live_run_holds_is_refused_at_start(tiny_model_dir, gsm8k_file,
+                                                                   tmp_path):
+    """Two runs in one folder would overwrite each other's checkpoints: the second is refused
+    before any weights load, naming the live holder (areal_flow/run_lock.py)."""
+    from tests.helpers import hold_folder
+
+    holder = hold_folder(tmp_path / "run")
+    try:
+        result = run_recipe(RECIPE, tiny_args(tiny_model_dir, gsm8k_file, tmp_path / "run",
+                                              "--resume"), check=False, timeout=120)
+    finally:
+        holder.kill()
+        holder.wait()
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert f"is in use by a live run: pid {holder.pid} on" in output
+    assert "Loading weights" not in output
+
+
+@pytest.mark.faults
 def test_a_run_whose_every_reward_fails_does_not_succeed(tiny_model_dir, gsm8k_file, tmp_path):
     """Defaults are not rewards: the run stops with the reward's error, not exit 0."""
     result = run_recipe(RECIPE, tiny_args(

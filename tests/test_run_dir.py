@@ -12,6 +12,7 @@ import signal
 import pytest
 
 from areal_flow.run import COMPLETE, RunConfig, RunDir, StopRequest, mark_complete
+from tests.helpers import hold_folder
 
 pytestmark = pytest.mark.faults
 
@@ -177,6 +178,43 @@ def test_a_new_run_refuses_a_folder_holding_one_and_resume_needs_a_folder(tmp_pa
         RunDir(tmp_path / "run", resume=True)
     path = fake_checkpoint(run, 2)
     assert RunDir(tmp_path / "run", resume=True).resume_from == (2, path)
+
+
+def test_a_live_runs_folder_is_refused_naming_it_and_free_once_it_dies(tmp_path):
+    """A second start or a --resume on a folder a live run holds is refused, naming the
+    holder's pid; the kernel drops the lock however the holder ends (SIGKILL here)."""
+    from areal_flow.run_lock import RunFolderInUse
+
+    run = RunDir(tmp_path / "run")
+    write_metrics(run, range(1, 3))
+    fake_checkpoint(run, 2)
+    holder = hold_folder(tmp_path / "run", resume=True)
+    try:
+        for resume in (True, False):
+            with pytest.raises(RunFolderInUse, match=rf"in use by a live run: pid {holder.pid} on"):
+                RunDir(tmp_path / "run", resume=resume, lock=True)
+    finally:
+        holder.kill()
+        holder.wait()
+    resumed = RunDir(tmp_path / "run", resume=True, lock=True)
+    assert resumed.resume_from[0] == 2
+    with pytest.raises(RunFolderInUse):  # held by this process now, until it closes
+        RunDir(tmp_path / "run", resume=True, lock=True)
+    resumed.close()
+    RunDir(tmp_path / "run", resume=True, lock=True).close()
+    RunDir(tmp_path / "run", resume=True)  # without lock=True (tests, tools): no lock taken
+
+
+def test_a_refused_start_leaves_the_folder_free(tmp_path):
+    """The checks after the lock (a run already there, nothing to resume) give it back."""
+    run = RunDir(tmp_path / "run")
+    write_metrics(run, range(1, 3))
+    with pytest.raises(FileExistsError):
+        RunDir(tmp_path / "run", lock=True)
+    with pytest.raises(FileNotFoundError, match="no complete, undamaged checkpoint"):
+        RunDir(tmp_path / "run", resume=True, lock=True)
+    fake_checkpoint(run, 2)
+    RunDir(tmp_path / "run", resume=True, lock=True).close()
 
 
 def test_resume_truncates_metrics_and_samples_after_the_checkpoint_step(tmp_path):
