@@ -33,7 +33,7 @@ from areal_flow.algorithms.functional import flat_groups
 from areal_flow.algorithms.grpo import GRPOConfig
 from areal_flow.data import reasoning_gym
 from areal_flow.rollout.scheduler import RolloutError, RolloutScheduler
-from areal_flow.run import RunConfig, StopRequest, peak_rss_gb
+from areal_flow.run import RunConfig, StopRequest, peak_rss_gb, tree_rss_gb
 from areal_flow.runtime.engine import TrainConfig
 from areal_flow.types import SamplingParams
 from areal_flow.workflow.rlvr import RLVRConfig
@@ -75,6 +75,12 @@ class RLConfig(RunConfig):
     """Stop the run when a reward fails (timeout, crash, error, out of range: scored as its
     default; or its `metrics` fail) on more than this fraction of its last 64 calls; 1 never
     stops."""
+    reward_worker_max_calls: int = attrs.field(default=1000, validator=v.ge(0))
+    """A reward worker process is replaced after this many calls (0: never)."""
+    reward_worker_max_rss_gb: float = attrs.field(default=2.0, validator=v.ge(0.0))
+    """Reward workers are replaced when one holds more memory than this after a call (0:
+    never): a reward that leaks cannot grow the run without bound (reward_runner/
+    worker_rss_gb shows their size)."""
     eval_size: int = attrs.field(default=64, validator=v.ge(0))
     """Held-out rows evaluated greedily every `eval_every` steps (64: a 95% interval of about
     +-6 points near 5% accuracy; 16 could not tell 0% from 10%)."""
@@ -480,6 +486,7 @@ def batch_metrics(cfg: RLConfig, batch, scheduler: RolloutScheduler) -> dict[str
     out["task_metrics"] = sorted(batch["metrics"].keys())  # the panel shows these
     out["sample_ids"] = sorted(set(batch["sample_ids"].tolist()))  # for exact-resume checks
     out["memory/peak_rss_gb"] = peak_rss_gb()
+    out["memory/tree_rss_gb"] = tree_rss_gb()  # and the reward workers, servers it launched
     if torch.cuda.is_available():  # this rank's device: weights, optimizer, engine, activations
         out["memory/peak_gpu_gb"] = torch.cuda.max_memory_allocated() / 2**30
     lags = batch["policy_version"][:, None] - batch["versions"]

@@ -6,6 +6,8 @@ exclusive ``flock`` on ``<run folder>/run.lock`` from start to close. The kernel
 the holding process dies, however it dies, so a dead run's lock is never in the way: no expiry
 to wait out. The file's text names the holder (host, pid, start time) for the refusal.
 It must be on a filesystem with working locks (local, or NFSv4), as the server leases are.
+The file stays after the run: deleting it on release would let a process that opened the old
+file lock it while a newer one locks a new file of the same name.
 """
 
 from __future__ import annotations

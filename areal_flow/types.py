@@ -55,6 +55,11 @@ def derived_seed(*parts: object) -> int:
     return int.from_bytes(digest, "big") >> 2
 
 
+class RunEndingError(RuntimeError):
+    """An error after which the run must not go on (a reward failing over its limit): the
+    scheduler never retries it as a workflow error; it ends training and evaluation alike."""
+
+
 @attrs.frozen(kw_only=True)
 class SamplingParams:
     """Per-request sampling settings (names follow SGLang's `sampling_params`)."""

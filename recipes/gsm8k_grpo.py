@@ -96,7 +96,9 @@ def main(cfg: Config) -> None:
                                       run_dir=run.path,
                                       **({"lora": cfg.train.lora} if cfg.train.lora.enabled
                                          else {}))  # servers start with LoRA enabled
-        rewards = RewardRunner(max_failure_rate=cfg.reward_failure_limit)
+        rewards = RewardRunner(max_failure_rate=cfg.reward_failure_limit,
+                               max_calls_per_worker=cfg.reward_worker_max_calls,
+                               max_worker_rss_gb=cfg.reward_worker_max_rss_gb)
         scheduler = RolloutScheduler(
             pool=pool, workflow=cfg.workflow, dataset=train_rows,
             tokenizer=AutoTokenizer.from_pretrained(model), score=rewards.score,
@@ -138,12 +140,14 @@ def main(cfg: Config) -> None:
                 # role forwards (critic values, ref and teacher logprobs) → advantages → update(s)
                 stats = trainer.train(batch, algorithm, critic=critic, ref=ref, teacher=teacher)
                 trained = time.perf_counter()
-                sync = trainer.sync_weights(pool, step + 1, folder=weights)
-                if scheduler is not None:
-                    scheduler.set_version(step + 1)  # older rollouts now count as stale
-
                 last = step + 1 == cfg.steps
-                stopping = any_rank(stop.requested)
+                failure = None  # what ends the run after this step trained: checkpoint it first
+                try:
+                    sync = trainer.sync_weights(pool, step + 1, folder=weights)
+                    if scheduler is not None:
+                        scheduler.set_version(step + 1)  # older rollouts now count as stale
+                except Exception as error:  # noqa: BLE001 - e.g. servers gone mid-update
+                    failure, sync = error, {}
                 if rank == 0:
                     metrics = {**gsm8k_rl.batch_metrics(cfg, batch, scheduler), **stats, **sync,
                                "seconds/rollout_wait": rolled - began,
@@ -156,16 +160,29 @@ def main(cfg: Config) -> None:
                     metrics["perf/mfu"] = trainer.mfu(tokens, metrics["seconds/train"])
                     if "pool/decode_mbu" in metrics:  # an in-process engine's (servers: SGLang's)
                         metrics["perf/decode_mbu"] = metrics.pop("pool/decode_mbu")
-                    if cfg.eval_size and ((step + 1) % cfg.eval_every == 0 or last):
-                        metrics.update(gsm8k_rl.evaluate(cfg, scheduler, eval_rows))
+                    if cfg.eval_size and ((step + 1) % cfg.eval_every == 0 or last) \
+                            and failure is None:
+                        try:
+                            metrics.update(gsm8k_rl.evaluate(cfg, scheduler, eval_rows))
+                        except Exception as error:  # noqa: BLE001 - e.g. rewards over the limit
+                            failure = error
                     run.log_metrics(step + 1, metrics)
                     samples = gsm8k_rl.samples(cfg, batch, scheduler)
                     run.log_samples(step + 1, samples)
                     display.update(step + 1, metrics, samples[0]["completion"] if samples else None)
-                if (step + 1) % cfg.save_every == 0 or last or stopping:
-                    run.save_checkpoint(step + 1, trainer, critic=critic, tokenizer_from=model,
-                                        extra={"scheduler": scheduler.state_dict()
-                                               if scheduler else None})
+                stopping = any_rank(stop.requested)
+                failing = any_rank(failure is not None)  # on every rank: saving is collective
+                if (step + 1) % cfg.save_every == 0 or last or stopping or failing:
+                    try:
+                        run.save_checkpoint(step + 1, trainer, critic=critic, tokenizer_from=model,
+                                            extra={"scheduler": scheduler.state_dict()
+                                                   if scheduler else None})
+                    except Exception as error:
+                        if failing:  # both: why the run ends, and why its step is not kept
+                            error.add_note(f"(checkpointing step {step + 1} after: {failure!r})")
+                        raise
+                if failing:
+                    raise failure or RuntimeError(f"rank 0 failed after step {step + 1}")
                 if stopping:
                     display.print(f"stopped after step {step + 1}; continue with --resume "
                                   f"--run-dir {run.path}")

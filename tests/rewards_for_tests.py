@@ -134,3 +134,21 @@ def correct(completion: str, answer: str) -> dict[str, float]:
 def matches(completion: str, answer: str) -> float:
     """Needs its keyword argument, as do its metrics."""
     return float(completion.strip() == answer)
+
+
+_KEPT: list[bytes] = []
+
+
+@reward("tests.leaks")
+def leaks(completion: str) -> float:
+    """Keeps 20 MB per call in a global (resident: filled, not calloc'd)."""
+    _KEPT.append(b"x" * (20 * 2**20))
+    return 1.0
+
+
+@reward("tests.worker_pid", range=(0.0, 2.0**32))
+def worker_pid(completion: str) -> float:
+    """The worker's pid, as a score."""
+    import os
+
+    return float(os.getpid())

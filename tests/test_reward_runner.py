@@ -410,8 +410,10 @@ def test_the_worker_entry_runs_sync_and_async_rewards_with_every_argument():
     import areal_flow
 
     here = areal_flow.__file__
-    assert _call_in_worker("tests.rewards_for_tests:matches", here, ("12",), {"answer": "12"}) == 1.0
-    assert _call_in_worker("tests.async_ok", here, ("x",), {}) == 1.0
+    value, rss = _call_in_worker("tests.rewards_for_tests:matches", here, ("12",),
+                                 {"answer": "12"})
+    assert value == 1.0 and rss > 2**20  # and the worker's resident bytes
+    assert _call_in_worker("tests.async_ok", here, ("x",), {})[0] == 1.0
     with pytest.raises(ImportError, match="the caller from /elsewhere"):
         _call_in_worker("tests.length", "/elsewhere/areal_flow/__init__.py", ("x",), {})
 
@@ -456,9 +458,10 @@ def test_stats_report_the_mean_seconds_per_call_since_they_were_last_read(caplog
         stats = r.stats()
         assert stats["calls"] == 4 and stats["failure_rate"] == 0.0
         assert 0.05 <= stats["mean_seconds"] <= wall / 4  # each call naps 50 ms
+        assert 0.01 < stats["worker_rss_gb"] < 2.0  # a worker's size after its call
         assert r.stats() == {"calls": 0, "timeouts": 0, "crashes": 0, "errors": 0, "invalid": 0,
-                             "metrics_errors": 0, "pool_restarts": 0, "failure_rate": 0.0,
-                             "mean_seconds": 0.0}
+                             "metrics_errors": 0, "pool_restarts": 0, "recycled_pools": 0,
+                             "worker_rss_gb": 0.0, "failure_rate": 0.0, "mean_seconds": 0.0}
     score(r, "tests.length")  # closed: it starts no new workers
     assert r.stats()["pool_restarts"] == 0
     for rate in (0.0, 1.0):  # both ends are valid limits
@@ -494,3 +497,44 @@ def test_the_failure_rate_is_per_reward_over_its_last_window_of_calls(monkeypatc
             [1.0] * window + [0.0] * half
         with pytest.raises(RewardFailureError, match=rf"failed on {half + 1} of its last {window} "):
             asyncio.run(calls("window.c", ["x"]))
+
+
+@pytest.mark.faults
+def test_a_leaking_reward_is_contained_by_recycling_its_workers():
+    """A reward that keeps 20 MB per call in a global grows its worker without bound; over the
+    size limit the workers are replaced (calls in flight finish), so a worker stays within the
+    limit plus one call's growth, every call still scores, and the size is in stats()."""
+    leak = 20 * 2**20
+    with RewardRunner(max_workers=1, max_worker_rss_gb=0) as unbounded:
+        first = asyncio.run(unbounded.score("tests.leaks", "x"))
+        base = unbounded.stats()["worker_rss_gb"] * 2**30
+        for _ in range(6):
+            asyncio.run(unbounded.score("tests.leaks", "x"))
+        grown = unbounded.stats()["worker_rss_gb"] * 2**30
+    assert first == 1.0 and grown >= base + 6 * leak * 0.9  # it does leak
+
+    limit = base + 2.5 * leak
+    with RewardRunner(max_workers=1, max_worker_rss_gb=limit / 2**30) as runner:
+        scores, sizes, recycled = [], [], 0
+        for _ in range(12):
+            scores.append(asyncio.run(runner.score("tests.leaks", "x")))
+            stats = runner.stats()
+            sizes.append(stats["worker_rss_gb"] * 2**30)
+            recycled += stats["recycled_pools"]
+    assert scores == [1.0] * 12
+    assert max(sizes) <= limit + 1.5 * leak, (limit, sizes)
+    assert recycled >= 3  # 12 calls at about 3 per worker
+
+
+def test_a_worker_is_replaced_after_its_calls():
+    with RewardRunner(max_workers=1, max_calls_per_worker=3, max_worker_rss_gb=0) as runner:
+        pids = [asyncio.run(runner.score("tests.worker_pid", "x")) for _ in range(7)]
+    assert [len(set(pids[i:i + 3])) for i in (0, 3, 6)] == [1, 1, 1]
+    assert len(set(pids)) == 3, pids  # a new worker for each three calls
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"max_calls_per_worker": -1}, "must be >= 0"), ({"max_worker_rss_gb": -0.5}, "must be >= 0")])
+def test_bad_recycling_limits_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        RewardRunner(**kwargs)

@@ -138,16 +138,49 @@ def test_a_marker_that_is_not_a_manifest_or_a_file_turned_folder_is_damage(tmp_p
         assert run.latest_checkpoint() == (2, run.checkpoint_dir(2))
 
 
-def test_the_manifest_lists_every_file_below_the_folder_with_its_size(tmp_path):
+def test_the_manifest_lists_every_file_below_the_folder_with_its_size_and_hash(tmp_path):
+    import hashlib
+
     run = RunDir(tmp_path)
     path = fake_checkpoint(run, 5)
     (path / "critic" / "dcp").mkdir(parents=True)
     (path / "critic" / "dcp" / "shard").write_bytes(b"x" * 7)
     mark_complete(path)  # marking again: the old marker is not a file of the checkpoint
+
+    def entry(data: bytes) -> dict:
+        return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
     assert json.loads((path / COMPLETE).read_text()) == {
-        "critic/dcp/shard": 7, "hf/model.safetensors": 10240, "trainer_state.pt": 50}
+        "critic/dcp/shard": entry(b"x" * 7), "hf/model.safetensors": entry(bytes(range(256)) * 40),
+        "trainer_state.pt": entry(b"state" * 10)}
     assert sorted(p.name for p in path.iterdir()) == [COMPLETE, "critic", "hf", "trainer_state.pt"]
     assert run.latest_checkpoint() == (5, path)
+
+
+def test_damage_that_keeps_the_size_falls_back_to_the_checkpoint_before(tmp_path):
+    """A flipped byte (bit rot, a bad copy) leaves the size as it was: the hash finds it, and a
+    resume takes the checkpoint before instead of failing in the middle of loading."""
+    run = RunDir(tmp_path)
+    fake_checkpoint(run, 4)
+    newest = fake_checkpoint(run, 8)
+    model = newest / "hf" / "model.safetensors"
+    data = bytearray(model.read_bytes())
+    data[5000] ^= 0x01
+    model.write_bytes(bytes(data))
+    with pytest.warns(UserWarning, match=r"step-000008: hf/model.safetensors differs from what "
+                                         r"was saved \(its SHA-256 changed\)"):
+        assert run.latest_checkpoint() == (4, run.checkpoint_dir(4))
+
+
+def test_a_manifest_of_sizes_from_before_hashes_is_still_checked_by_size(tmp_path):
+    run = RunDir(tmp_path)
+    path = fake_checkpoint(run, 3)
+    (path / COMPLETE).write_text(json.dumps({"trainer_state.pt": 50,
+                                             "hf/model.safetensors": 10240}))
+    assert run.latest_checkpoint() == (3, path)
+    (path / "trainer_state.pt").write_bytes(b"short")
+    with pytest.warns(UserWarning, match="trainer_state.pt has 5 bytes, 50 when it was saved"):
+        assert run.latest_checkpoint() is None
 
 
 @pytest.mark.parametrize(("keep", "left"), [
@@ -502,3 +535,27 @@ def test_a_note_heads_config_yaml_as_comments_and_the_config_loads_back(tmp_path
     assert load(RunConfig, tmp_path / "run" / "config.yaml") == config
     run.write_config(config)  # no note: no comment lines
     assert not (tmp_path / "run" / "config.yaml").read_text().startswith("#")
+
+
+def test_the_tree_memory_counts_the_processes_a_run_started():
+    """Reward workers and launched servers are processes of their own: the run's memory metric
+    counts them (a child holding 200 MB here, its own child another 100 MB)."""
+    import subprocess
+    import sys
+    import time
+
+    from areal_flow.run import tree_rss_gb
+
+    before = tree_rss_gb()
+    grandchild = ("import subprocess, sys, time; x = b'x' * (200 * 2**20); "
+                  "subprocess.Popen([sys.executable, '-c', \"x = b'y' * (100 * 2**20); "
+                  "print(1, flush=True); import time; time.sleep(60)\"]); time.sleep(60)")
+    child = subprocess.Popen([sys.executable, "-c", grandchild], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while tree_rss_gb() - before < 0.29 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert tree_rss_gb() - before >= 0.29  # 200 + 100 MB: the grandchild is counted too
+    finally:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait()

@@ -278,6 +278,36 @@ def test_weight_sync_through_a_folder(world, tiny_model_dir, tmp_path):
         pool.close()
 
 
+@pytest.mark.faults
+def test_a_full_disk_while_checkpointing_names_the_space_and_removes_the_half_written_folder(
+        world, tiny_model_dir, tmp_path, monkeypatch):
+    """ENOSPC in the middle of a checkpoint (after the trainer's state, in the HF export): the
+    error names the folder, the space a checkpoint takes and the space free; the partial folder
+    is gone, so a resume takes the complete one before it."""
+    import errno
+
+    from areal_flow.run import RunDir
+    from areal_flow.runtime import checkpoint
+
+    run = RunDir(tmp_path / "run", keep_checkpoints=3)
+    actor = engine(tiny_model_dir)
+    first = run.save_checkpoint(1, actor, extra={"position": 1})
+
+    def disk_full(trainer, folder, **kwargs):
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "model.safetensors").write_bytes(b"\0" * 1000)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "save_hf", disk_full)
+    with pytest.raises(OSError, match=r"checkpoint .*step-000002 could not be written \(\[Errno "
+                       r"28\] No space left on device\); a checkpoint takes \d+\.\d+ [MG]B "
+                       r"\(step-000001\), and \d+\.\d+ [MG]B are free") as caught:
+        run.save_checkpoint(2, actor, extra={"position": 2})
+    assert caught.value.errno == errno.ENOSPC
+    assert sorted(p.name for p in run.checkpoints.iterdir()) == [first.name]
+    assert RunDir(tmp_path / "run", resume=True).resume_from == (1, first)
+
+
 def test_a_run_folder_checkpoint_is_marked_whole_pruned_and_resumes_policy_and_critic(
         world, tiny_model_dir, tmp_path):
     """`RunDir.save_checkpoint` / `load_checkpoint` with real engines: the policy, the critic

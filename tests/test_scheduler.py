@@ -96,6 +96,36 @@ def test_a_missing_field_is_reported_once_with_the_rows_fields_and_not_retried()
     assert set(attempts.values()) == {1}  # a retry would fail the same way
 
 
+@workflow("tests.reward_over_its_limit")
+async def reward_over_its_limit(ctx, sample):
+    """Its reward has failed too often (what `RewardRunner.score` raises then)."""
+    from areal_flow.reward.runner import RewardFailureError
+
+    attempts[sample["id"]] = attempts.get(sample["id"], 0) + 1
+    raise RewardFailureError(f"reward failed on 32 of its last 32 calls (sample {sample['id']})")
+
+
+def test_a_run_ending_error_is_not_retried_and_stops_training_and_evaluation():
+    """Not the row's fault and not passing: no retry, no workflow error, and the next batch
+    (or the evaluation that met it) raises it as it is."""
+    from areal_flow.reward.runner import RewardFailureError
+
+    attempts.clear()
+    data = [{"id": i, "fails": 0, "text": "a"} for i in range(4)]
+    with RolloutScheduler(
+            pool=InstantPool(), workflow="tests.reward_over_its_limit", dataset=data,
+            tokenizer=NullTokenizer(), score=unused, sampling=SamplingParams(), shuffle=False,
+            config=RolloutConfig(batch_size=2, group_size=1, max_retries=3,
+                                 max_concurrent=1)) as s:
+        with pytest.raises(RewardFailureError, match="failed on 32 of its last 32"):
+            s.prepare_batch(timeout=30)
+        stats = s.stats()
+        with pytest.raises(RewardFailureError, match="failed on 32 of its last 32"):
+            s.rollout_batch([{"id": 9, "text": "a"}])
+    assert set(attempts.values()) == {1}  # never a second attempt
+    assert "workflow_errors" not in stats
+
+
 @workflow("tests.rejects_everything")
 async def rejects_everything(ctx, sample):
     return None

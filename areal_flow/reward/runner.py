@@ -26,6 +26,7 @@ import logging
 import math
 import numbers
 import os
+import resource
 import signal
 import threading
 import time
@@ -45,7 +46,7 @@ from pebble import ProcessExpired, ProcessPool
 
 import areal_flow
 from areal_flow.registry import SPEC_ATTR, rewards
-from areal_flow.types import RewardSpec
+from areal_flow.types import RewardSpec, RunEndingError
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,16 @@ def _call_in_worker(path: str, package: str, args: tuple, kwargs: dict) -> Any:
                           "sys.path and the working directory")
     value = rewards.get(path)(*args, **kwargs)
     # An async reward gets a loop of its own here, where the timeout can kill blocking code.
-    return asyncio.run(value) if inspect.iscoroutine(value) else value
+    value = asyncio.run(value) if inspect.iscoroutine(value) else value
+    return value, worker_rss()  # the caller recycles a worker grown past its limit
+
+
+def worker_rss() -> int:
+    """This process's resident bytes now (Linux's /proc; else its peak, from getrusage)."""
+    try:
+        return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 class _WorkerPopen(popen_forkserver.Popen):
@@ -125,8 +135,9 @@ class _WorkerContext(ForkServerContext):
     Process = _WorkerProcess
 
 
-class RewardFailureError(RuntimeError):
-    """A reward failed on too many of its recent calls to be trusted."""
+class RewardFailureError(RunEndingError):
+    """A reward failed on too many of its recent calls to be trusted: its scores are not
+    rewards, so the run ends (the scheduler's rollouts and evaluations stop on it)."""
 
 
 FAILURE_WINDOW = 64
@@ -141,21 +152,37 @@ class RewardRunner:
         max_failure_rate: a reward failing (timeout, crash, error, out of range, its metrics) on
             more than this fraction of its last `FAILURE_WINDOW` calls raises
             `RewardFailureError` from then on; 1 never does.
+        max_calls_per_worker: a worker is replaced after this many calls (0: never), so a
+            reward that leaks (a growing cache, a global list) is contained.
+        max_worker_rss_gb: a worker found above this resident size after a call is replaced
+            (the pool is: its workers finish what they run, new calls go to fresh ones); 0:
+            never. A worker's size after each call is `stats()["worker_rss_gb"]` (the largest).
     """
 
-    def __init__(self, max_workers: int = 2, max_failure_rate: float = 0.5):
+    def __init__(self, max_workers: int = 2, max_failure_rate: float = 0.5,
+                 max_calls_per_worker: int = 1000, max_worker_rss_gb: float = 2.0):
         if max_workers < 1:
             raise ValueError(f"'max_workers' must be >= 1: {max_workers}")
         if not 0.0 <= max_failure_rate <= 1.0:
             raise ValueError(f"'max_failure_rate' must be in [0, 1]: {max_failure_rate}")
+        if max_calls_per_worker < 0 or max_worker_rss_gb < 0:
+            raise ValueError(f"'max_calls_per_worker' and 'max_worker_rss_gb' must be >= 0 (0: "
+                             f"no limit): {max_calls_per_worker}, {max_worker_rss_gb}")
         self.max_failure_rate = max_failure_rate
+        self.max_worker_rss = max_worker_rss_gb * 2**30
         self._recent: dict[str, deque[bool]] = {}
         self._max_workers = max_workers
+        self._max_calls = max_calls_per_worker
         self._closed = False
-        self._pool = ProcessPool(max_workers=max_workers, context=_WorkerContext())
+        self._pool = self._new_pool()
         self._counts: Counter[str] = Counter()
         self._seconds = 0.0
+        self._largest_rss = 0
         self._lock = threading.Lock()
+
+    def _new_pool(self) -> ProcessPool:
+        return ProcessPool(max_workers=self._max_workers, max_tasks=self._max_calls,
+                           context=_WorkerContext())
 
     async def score(self, reward: str | Callable[..., Any] | RewardSpec, *args, **kwargs) -> float:
         """The reward's score, or its `default` if it raised, crashed, hung or went out of range."""
@@ -184,7 +211,8 @@ class RewardRunner:
                 future = self._workers().schedule(_call_in_worker, timeout=spec.timeout,
                                                   args=(path, areal_flow.__file__, args, kwargs))
                 try:
-                    value = await asyncio.wrap_future(future)
+                    value, rss = await asyncio.wrap_future(future)
+                    self._note_rss(rss)
                     break
                 except BrokenProcessPool:  # it broke before this call ran: once more on a new one
                     if not tries_left:
@@ -222,11 +250,25 @@ class RewardRunner:
                     if outcome == "metrics_error" else f"scored its default {spec.default}")
         return score, found
 
-    def stats(self) -> dict[str, float]:
-        """Calls and failures since the last call."""
+    def _note_rss(self, rss: int) -> None:
+        """Keep the largest worker size for `stats`; replace the pool when a worker is past
+        `max_worker_rss_gb`: the old one finishes the calls it holds, then its workers exit."""
         with self._lock:
-            counts, seconds = self._counts, self._seconds
-            self._counts, self._seconds = Counter(), 0.0
+            self._largest_rss = max(self._largest_rss, rss)
+            if not self.max_worker_rss or rss <= self.max_worker_rss or self._closed:
+                return
+            old, self._pool = self._pool, self._new_pool()
+            self._counts["recycled_pools"] += 1
+        log.info("a reward worker holds %.2f GB, over the limit of %.2f GB: replacing the "
+                 "workers", rss / 2**30, self.max_worker_rss / 2**30)
+        old.close()  # graceful: no new calls; pebble's workers exit once the queue is done
+
+    def stats(self) -> dict[str, float]:
+        """Calls and failures since the last call, and the largest worker's size after a call
+        (GB) since then."""
+        with self._lock:
+            counts, seconds, rss = self._counts, self._seconds, self._largest_rss
+            self._counts, self._seconds, self._largest_rss = Counter(), 0.0, 0
         calls = counts["calls"]
         return {
             "calls": calls,
@@ -236,6 +278,8 @@ class RewardRunner:
             "invalid": counts["invalid"],
             "metrics_errors": counts["metrics_error"],
             "pool_restarts": counts["pool_restarts"],
+            "recycled_pools": counts["recycled_pools"],
+            "worker_rss_gb": rss / 2**30,
             "failure_rate": (calls - counts["ok"]) / calls if calls else 0.0,
             "mean_seconds": seconds / calls if calls else 0.0,
         }
@@ -249,8 +293,7 @@ class RewardRunner:
                 log.warning("the reward worker pool broke (a worker died while idle); starting "
                             "a new one")
                 self._pool.stop()
-                self._pool = ProcessPool(max_workers=self._max_workers,
-                                         context=_WorkerContext())
+                self._pool = self._new_pool()
                 self._counts["pool_restarts"] += 1
             return self._pool
 

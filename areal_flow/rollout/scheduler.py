@@ -35,7 +35,8 @@ import attrs
 
 from areal_flow.config import RolloutConfig
 from areal_flow.registry import workflows
-from areal_flow.types import Episode, GenerationPool, SamplingParams, WorkflowSpec, derived_seed
+from areal_flow.types import (Episode, GenerationPool, RunEndingError, SamplingParams,
+                              WorkflowSpec, derived_seed)
 from areal_flow.workflow.openai_endpoint import OpenAIEndpoint
 from areal_flow.workflow.context import PromptTooLong, RolloutContext
 
@@ -148,7 +149,7 @@ class RolloutScheduler:
         self._running_groups = 0
         self._running_episodes = 0
         self._paused = False
-        self._fatal: RolloutError | None = None
+        self._fatal: Exception | None = None
         self._consecutive_failures = 0
         self._consecutive_drops = 0
         self._consecutive_empty = 0  # of those drops, groups whose every episode was None
@@ -460,6 +461,11 @@ class RolloutScheduler:
             except PromptTooLong as exc:
                 log.info("sample %s skipped: %s", sample_id, exc)
                 return None, "skipped_long_prompts"
+            except RunEndingError as exc:  # not the row's: no retry, no workflow error
+                if not training:
+                    raise  # the evaluation's caller ends the run
+                self._fail(exc)  # the next prepare_batch raises it
+                return None, "failed_samples"
             except Exception as exc:
                 if training:
                     self._count("workflow_errors")
@@ -536,18 +542,21 @@ class RolloutScheduler:
                                                training=False)
                 out[i] = group.episodes if group is not None else []
 
-        async with anyio.create_task_group() as tg:
-            for i in range(len(samples)):
-                tg.start_soon(run, i)
+        try:
+            async with anyio.create_task_group() as tg:
+                for i in range(len(samples)):
+                    tg.start_soon(run, i)
+        except BaseExceptionGroup as group:  # a run-ending error: the others were cancelled
+            raise group.exceptions[0] from None
         return out
 
     # -- failure ------------------------------------------------------------------------
 
-    def _fail(self, error: RolloutError) -> None:
+    def _fail(self, error: Exception) -> None:
         with self._cond:
             self._fail_locked(error)
 
-    def _fail_locked(self, error: RolloutError) -> None:
+    def _fail_locked(self, error: Exception) -> None:
         if self._fatal is None:
             self._fatal = error
         self._cond.notify_all()
