@@ -56,6 +56,67 @@ def test_a_slot_layer_holds_what_a_dynamic_layer_holds(chunks, grow):
         kv_batch.GROW = old
 
 
+def test_a_slot_layer_writes_in_place_until_full_then_doubles():
+    """What slots are for: a decode step's column goes into the buffers as they are (no copy)
+    until they are exactly full; then they grow to twice the length, once."""
+    slot = kv_batch.SlotLayer()
+    slot.update(torch.zeros(2, 3, 10, 4), torch.zeros(2, 3, 10, 4))  # a prefill of 10
+    room, buffer = 10 + kv_batch.GROW, slot._room_keys.data_ptr()
+    for length in range(11, room + 1):
+        slot.update(torch.ones(2, 3, 1, 4), torch.ones(2, 3, 1, 4))
+        assert slot._room_keys.data_ptr() == buffer, f"reallocated at length {length}"
+    assert slot._room_keys.shape[-2] == room
+    slot.update(torch.ones(2, 3, 1, 4), torch.ones(2, 3, 1, 4))  # one more than there is room
+    assert slot._room_keys.shape[-2] == 2 * room and slot.get_seq_length() == room + 1
+
+
+def sliding_config():
+    """A Qwen2-shaped config whose second layer attends through a sliding window."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(hidden_size=8, num_attention_heads=2, num_key_value_heads=1,
+                       num_hidden_layers=2, intermediate_size=16, vocab_size=32,
+                       use_sliding_window=True, sliding_window=4, max_window_layers=1,
+                       layer_types=["full_attention", "sliding_attention"])
+
+
+def test_the_kv_batch_uses_slots_by_default_for_plain_layers_only():
+    """Slot layers replace transformers' plain ones (by default, and not with slots off); a
+    sliding-window layer, which the model's config asks for, stays transformers' own."""
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    layers = [(torch.zeros(1, 1, 3, 4), torch.zeros(1, 1, 3, 4))] * 2
+    batch = kv_batch.KVBatch(sliding_config())
+    assert len(batch) == 0  # nothing running yet
+    assert [type(x) for x in batch.wrap(layers).layers] == [kv_batch.SlotLayer,
+                                                            DynamicSlidingWindowLayer]
+    plain = kv_batch.KVBatch(sliding_config(), slots=False).wrap(layers)
+    assert [type(x) for x in plain.layers] == [DynamicLayer, DynamicSlidingWindowLayer]
+
+
+def test_keeping_rows_drops_the_padding_columns_none_of_them_needs():
+    """A long row finishing leaves the short ones' left padding: it is cut, so the cache does
+    not keep the longest row's width for the rest of the batch's life."""
+    batch = kv_batch.KVBatch(sliding_config())
+    mask = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 0, 1, 1], [0, 0, 1, 1, 1]])
+    keys = torch.arange(3 * 5, dtype=torch.float).reshape(3, 1, 5, 1).expand(3, 1, 5, 4)
+    cache = kv_batch.KVBatch(sliding_config(), slots=False).wrap([(keys, keys), (keys, keys)])
+    batch.append(cache, mask)
+    batch.keep([1, 2])
+    assert batch.mask.tolist() == [[0, 1, 1], [1, 1, 1]]
+    assert torch.equal(batch.cache.layers[0].keys, keys[1:, :, 2:])
+
+
+def test_left_padded_rows_give_integer_positions_a_position_table_can_take():
+    """Models with learned positions (GPT-2's `wpe`) index a table with the positions: the ids
+    and the mask they come from are integers, the pads are the pad id."""
+    ids, mask = kv_batch.left_padded([[5, 6, 7], [8]], pad_token_id=0, device=torch.device("cpu"))
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+    table = torch.nn.Embedding(4, 2)
+    assert table(kv_batch.positions(mask)).shape == (2, 3, 2)  # a float index would raise
+    assert table(ids.clamp(max=3)).shape == (2, 3, 2)
+
+
 @pytest.mark.skipif(not packed_weights.available(torch.bfloat16, torch.device("cpu")),
                     reason="this CPU's oneDNN has no bf16 kernels: nothing is packed")
 def test_packed_weights_generate_what_plain_ones_do_and_follow_weight_updates(tiny_model_dir):
