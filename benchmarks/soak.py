@@ -6,7 +6,13 @@ Faults, drawn with `--seed`:
   port 5 s later (as a supervisor would) and must rejoin with the current weights;
 - server_freeze: SIGSTOP one server for 20 s, then SIGCONT;
 - reward_crash: SIGKILL one reward worker process;
-- trainer_kill: SIGKILL the trainer, then start it again with `--resume`.
+- trainer_kill: SIGKILL the trainer, then start it again with `--resume`;
+- second_run: start a second trainer with `--resume` on the live run's folder: it must be
+  refused at start, naming the live run (run_lock.py), and the first run goes on.
+
+The reward (`tests.leaking_text_hash`) keeps 10 MB per call in its worker: the workers are
+replaced above `--reward-worker-max-rss-gb 1`, and the report has the largest worker and the
+largest process tree seen (`reward_runner/worker_rss_gb`, `memory/tree_rss_gb`).
 
 The run is synchronous (η = 0) with sampling, so the fault-free run is the reference for the data
 order (every prompt trained exactly once, in the same order) and, as far as determinism allows,
@@ -31,7 +37,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "gsm8k_grpo.py"
-FAULTS = ("server_kill", "server_freeze", "reward_crash", "trainer_kill")
+FAULTS = ("server_kill", "server_freeze", "reward_crash", "trainer_kill", "second_run")
+WORKER_RSS_LIMIT_GB = 1.0
 
 
 def free_port() -> int:
@@ -77,7 +84,8 @@ def recipe_args(model: Path, data: Path, run_dir: Path, addresses: Path, steps: 
             "--inference.request-timeout", "120", "--inference.no-server-timeout", "120",
             "--rollout.batch-size", "4", "--rollout.group-size", "4",
             "--rollout.max-staleness", "0", "--sampling.max-new-tokens", "48",
-            "--samples-per-step", "16", "--reward", "tests.rewards_for_tests:text_hash",
+            "--samples-per-step", "16", "--reward", "tests.rewards_for_tests:leaking_text_hash",
+            "--reward-worker-max-rss-gb", str(WORKER_RSS_LIMIT_GB),
             "--inference.dtype", "float32", "--train.dtype", "float32", "--train.optim.lr", "1e-3"]
 
 
@@ -136,6 +144,13 @@ def run(out: Path, model: Path, data: Path, *, minutes: float | None, steps: int
                 event = {"t": round(now - begin, 1), "fault": fault}
                 if fault == "trainer_kill":
                     process.kill()
+                elif fault == "second_run":
+                    second = subprocess.run(args + ["--resume"], cwd=ROOT, env=env, timeout=120,
+                                            capture_output=True, text=True)
+                    event["refused"] = second.returncode != 0 and \
+                        f"in use by a live run: pid {process.pid}" in second.stderr
+                    if process.poll() is not None:  # the first run ended meanwhile: not a test
+                        continue
                 elif fault == "reward_crash":
                     # the trainer's forkserver is its child; the reward workers are the forkserver's
                     workers = [w for c in children(process.pid) for w in children(c)]
@@ -189,6 +204,12 @@ def completions(run_dir: Path, steps: int) -> dict[int, list[str]]:
     return out
 
 
+def peak(run_dir: Path, key: str) -> float | None:
+    values = [m[key] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+              if key in (m := json.loads(line))]
+    return max(values, default=None)
+
+
 def weights_gap(a: Path, b: Path, initial: Path) -> tuple[float, float]:
     """(‖a − b‖, ‖b − initial‖) over all weights of two save_pretrained folders."""
     from safetensors.torch import load_file
@@ -238,6 +259,10 @@ def main() -> None:
         "load_average_at_start": load, "steps": steps, "groups_trained": len(ours),
         "faults": {f: faults.count(f) for f in FAULTS},
         "faults_survived": len(faults),  # the run reached its last step after all of them
+        "second_runs_refused": sum(bool(e.get("refused")) for e in soak["faults"]),
+        "largest_reward_worker_gb": peak(faulty / "run", "reward_runner/worker_rss_gb"),
+        "largest_process_tree_gb": peak(faulty / "run", "memory/tree_rss_gb"),
+        "worker_rss_limit_gb": WORKER_RSS_LIMIT_GB,
         "same_groups_in_same_order": ours == theirs,
         "groups_lost_or_added": lost if ours != theirs else 0,
         "epochs_each_prompt_once": all(

@@ -152,3 +152,11 @@ def worker_pid(completion: str) -> float:
     import os
 
     return float(os.getpid())
+
+
+@reward("tests.leaking_text_hash", timeout=5.0)
+def leaking_text_hash(completion: str, **fields) -> float:
+    """`text_hash`, keeping 10 MB per call in a global: a leak the runner must contain
+    (benchmarks/soak.py)."""
+    _KEPT.append(b"x" * (10 * 2**20))
+    return text_hash(completion)

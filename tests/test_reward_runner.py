@@ -526,6 +526,44 @@ def test_a_leaking_reward_is_contained_by_recycling_its_workers():
     assert recycled >= 3  # 12 calls at about 3 per worker
 
 
+def descendants() -> int:
+    found, todo = 0, [os.getpid()]
+    while todo:
+        pid = todo.pop()
+        for task in os.listdir(f"/proc/{pid}/task"):
+            try:
+                kids = [int(c) for c in open(f"/proc/{pid}/task/{task}/children").read().split()]
+            except OSError:
+                continue
+            found, todo = found + len(kids), todo + kids
+    return found
+
+
+@pytest.mark.faults
+def test_replaced_workers_exit_and_a_burst_over_the_limit_replaces_them_once():
+    """Calls finishing together over the limit (they ran on one pool) replace it once, and the
+    replaced workers exit once their calls are done: the process tree does not grow."""
+    with RewardRunner(max_workers=2, max_worker_rss_gb=0) as probe:
+        asyncio.run(probe.score("tests.length", "x"))
+        base = probe.stats()["worker_rss_gb"] * 2**30
+    limit = base + 1.5 * 20 * 2**20
+
+    async def burst(runner):
+        return await asyncio.gather(*(runner.score("tests.leaks", "x") for _ in range(4)))
+
+    with RewardRunner(max_workers=2, max_worker_rss_gb=limit / 2**30) as runner:
+        asyncio.run(burst(runner))
+        runner.stats()  # counted from here
+        processes = descendants()  # the forkserver and two workers
+        for _ in range(4):
+            assert asyncio.run(burst(runner)) == [1.0] * 4
+            assert runner.stats()["recycled_pools"] <= 1
+        deadline = time.monotonic() + 15
+        while descendants() > processes and time.monotonic() < deadline:
+            time.sleep(0.1)  # a retired pool's workers exit once their calls are done
+        assert descendants() <= processes
+
+
 def test_a_worker_is_replaced_after_its_calls():
     with RewardRunner(max_workers=1, max_calls_per_worker=3, max_worker_rss_gb=0) as runner:
         pids = [asyncio.run(runner.score("tests.worker_pid", "x")) for _ in range(7)]

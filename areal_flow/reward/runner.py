@@ -208,11 +208,12 @@ class RewardRunner:
         start = time.perf_counter()
         try:
             for tries_left in (1, 0):
-                future = self._workers().schedule(_call_in_worker, timeout=spec.timeout,
-                                                  args=(path, areal_flow.__file__, args, kwargs))
+                pool = self._workers()
+                future = pool.schedule(_call_in_worker, timeout=spec.timeout,
+                                       args=(path, areal_flow.__file__, args, kwargs))
                 try:
                     value, rss = await asyncio.wrap_future(future)
-                    self._note_rss(rss)
+                    self._note_rss(rss, pool)
                     break
                 except BrokenProcessPool:  # it broke before this call ran: once more on a new one
                     if not tries_left:
@@ -250,18 +251,22 @@ class RewardRunner:
                     if outcome == "metrics_error" else f"scored its default {spec.default}")
         return score, found
 
-    def _note_rss(self, rss: int) -> None:
-        """Keep the largest worker size for `stats`; replace the pool when a worker is past
-        `max_worker_rss_gb`: the old one finishes the calls it holds, then its workers exit."""
+    def _note_rss(self, rss: int, pool: ProcessPool) -> None:
+        """Keep the largest worker size for `stats`; replace the pool when one of its workers
+        (`pool`, which ran the call) is past `max_worker_rss_gb`: the old one finishes the calls
+        it holds, then its workers exit. Calls that ran on a pool already replaced change
+        nothing."""
         with self._lock:
             self._largest_rss = max(self._largest_rss, rss)
-            if not self.max_worker_rss or rss <= self.max_worker_rss or self._closed:
+            if not self.max_worker_rss or rss <= self.max_worker_rss or self._closed \
+                    or pool is not self._pool:
                 return
-            old, self._pool = self._pool, self._new_pool()
+            self._pool = self._new_pool()
             self._counts["recycled_pools"] += 1
         log.info("a reward worker holds %.2f GB, over the limit of %.2f GB: replacing the "
                  "workers", rss / 2**30, self.max_worker_rss / 2**30)
-        old.close()  # graceful: no new calls; pebble's workers exit once the queue is done
+        pool.close()  # no new calls; join() runs what it holds, then stops its workers
+        threading.Thread(target=pool.join, name="reward-pool-retire", daemon=True).start()
 
     def stats(self) -> dict[str, float]:
         """Calls and failures since the last call, and the largest worker's size after a call
