@@ -188,6 +188,9 @@ class InferenceConfig:
     after this instead of holding up every weight update."""
     no_server_timeout: float = attrs.field(default=600.0, validator=v.gt(0))
     """sglang: seconds a request waits for a server in rotation before it fails."""
+    startup_timeout: float = attrs.field(default=120.0, validator=v.ge(0))
+    """sglang, servers given by address: seconds the run waits at start for one of them to
+    answer /health (servers started with the run are still loading), saying so every 10 s."""
     health_timeout: float = attrs.field(default=30.0, validator=v.gt(0))
     """sglang: seconds a /health check may take (SGLang's takes ~1 s; more while paused, when
     none is made); a server holding requests is checked every second, so one that froze is

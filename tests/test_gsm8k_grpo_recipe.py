@@ -291,7 +291,8 @@ def test_the_reasoning_gym_recipe_trains_on_a_task_with_its_verifier(tiny_model_
     (["--workflow", "rlvrr"], "rlvr"),
     (["--reward", "gsm9k"], "gsm8k"),
     (["--rollout.group-size", "0"], "group_size"),
-    (["--inference.backend", "sglang", "--inference.addresses", "127.0.0.1:9"],
+    (["--inference.backend", "sglang", "--inference.addresses", "127.0.0.1:9",
+      "--inference.startup-timeout", "2"],
      "no generation server answers"),
     # rlvr passes answer=...; a reward without that parameter must not silently score 0
     (["--reward", "tests.rewards_for_tests:length"], "cannot take the arguments"),

@@ -684,3 +684,32 @@ def test_lora_target_modules_sglang_rejects_are_refused_at_start():
     assert lora_args("sglang", LoraConfig(rank=4, target_modules=("q_proj", "v_proj")))[-2:] \
         == ("q_proj", "v_proj")
     assert lora_args("sglang", LoraConfig(rank=4))[-1] == "all"
+
+
+@pytest.mark.faults
+def test_a_run_started_with_its_servers_waits_for_them_to_answer(tiny_model_dir, tmp_path,
+                                                                  caplog):
+    """Servers started next to the run (a SLURM job, a supervisor) are still loading when the
+    run starts: it waits for one to answer /health, saying so, instead of failing at once."""
+    import subprocess
+    import sys
+
+    from areal_flow.config import InferenceConfig
+
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "areal_flow.cli", "serve", "--model", str(tiny_model_dir),
+         "--port", str(port), "--dtype", "float32"], env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        config = InferenceConfig(backend="sglang", addresses=(f"127.0.0.1:{port}",),
+                                 lease_dir=str(tmp_path / "leases"), startup_timeout=120)
+        with caplog.at_level("WARNING", logger="areal_flow.inference.sglang_pool"):
+            pool = SGLangPool.from_config(config, model=str(tiny_model_dir))
+        try:
+            assert [s["in_rotation"] for s in pool.servers()] == [True]
+        finally:
+            pool.close()
+        assert "waiting for a generation server to answer /health" in caplog.text
+    finally:
+        server.terminate()
+        server.wait(timeout=30)

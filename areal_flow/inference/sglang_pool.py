@@ -71,6 +71,7 @@ import functools
 import logging
 import os
 import threading
+import time
 import uuid
 from collections.abc import Coroutine, Sequence
 from pathlib import Path
@@ -376,6 +377,16 @@ class SGLangPool:
                 launcher.stop()
             raise
         pool._launcher = launcher
+        waited, deadline = 0.0, time.monotonic() + config.startup_timeout
+        while not any(s["in_rotation"] for s in pool.servers()) and not pool._refused \
+                and not pool._unusable and time.monotonic() < deadline:
+            if waited % 10 < 1:  # servers started with the run may still be loading
+                log.warning("waiting for a generation server to answer /health at %s (%.0f s "
+                            "of --inference.startup-timeout %g)", addresses or
+                            config.addresses_file, waited, config.startup_timeout)
+            time.sleep(1.0)
+            waited += 1.0
+            pool.refresh()
         if not any(s["in_rotation"] for s in pool.servers()):
             refused = list(pool._refused.values())
             pool.close()
@@ -384,8 +395,10 @@ class SGLangPool:
             if pool._unusable:
                 raise WeightUpdateError("; ".join(pool._unusable.values()))
             named = addresses or f"the servers listed in {config.addresses_file}"
-            raise ConnectionError(f"no generation server answers GET /health at {named}; "
-                                  "start them, or leave --inference.addresses empty to launch")
+            raise ConnectionError(f"no generation server answers GET /health at {named} "
+                                  f"(waited {config.startup_timeout:g} s, "
+                                  "--inference.startup-timeout); start them, or leave "
+                                  "--inference.addresses empty to launch")
         return pool
 
     # -- GenerationPool -------------------------------------------------------------------
