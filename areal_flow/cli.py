@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -230,14 +231,20 @@ def _say(message: str, *, error: bool = False) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    result = tyro.extras.subcommand_cli_from_dict(
-        {"plugins": plugins, "check-reward": check_reward, "serve": serve, "plot": plot,
-         "slurm": slurm, "eval": EvalConfig},
-        prog="areal-flow",
-        description="areal_flow: asynchronous RL post-training for LLMs.",
-        args=argv,
-    )
-    return eval_(result) if isinstance(result, EvalConfig) else result
+    try:
+        result = tyro.extras.subcommand_cli_from_dict(
+            {"plugins": plugins, "check-reward": check_reward, "serve": serve, "plot": plot,
+             "slurm": slurm, "eval": EvalConfig},
+            prog="areal-flow",
+            description="areal_flow: asynchronous RL post-training for LLMs.",
+            args=argv,
+        )
+        return eval_(result) if isinstance(result, EvalConfig) else result
+    except ModuleNotFoundError as error:  # an optional part's extra is not installed: one line
+        if "areal-flow[" not in str(error):
+            raise
+        print(f"areal-flow: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

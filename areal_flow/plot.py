@@ -7,8 +7,12 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
+try:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+except ImportError:
+    raise ModuleNotFoundError("areal-flow plot draws with matplotlib: pip install "
+                              "'areal-flow[plot]'") from None
 
 DEFAULT_KEYS = (
     # reward

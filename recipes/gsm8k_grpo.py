@@ -79,9 +79,11 @@ def main(cfg: Config) -> None:
         "reward/flat_group_fraction": "flat groups", "response_length/mean": "length",
         **({"critic/value_loss": "value loss"} if critic else {}),
         **({"distill/reverse_kl": "reverse KL"} if teacher else {}),
-        # |log pi_train - log pi_rollout|: shown where a correction acts on it
-        **({"mismatch/abs_log_ratio_mean": "mismatch"}
-           if cfg.algorithm.loss.mismatch_correction != "none" else {}),
+        # |log pi_train - log pi_rollout|: shown where a correction acts on it (a plugin's
+        # algorithm may have no policy loss config)
+        **({"mismatch/abs_log_ratio_mean": "mismatch"} if getattr(
+            getattr(cfg.algorithm, "loss", None), "mismatch_correction", "none") != "none"
+           else {}),
         "eval/reward": "eval reward", "eval/task_metrics": "eval ",
         "reward_runner/failure_rate": "reward fails", "tokens_per_second": "tok/s",
         "perf/mfu": "MFU", "perf/decode_mbu": "decode MBU",

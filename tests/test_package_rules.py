@@ -79,3 +79,29 @@ def test_nothing_is_dispatched_by_comparing_a_type_string():
         if (sites := dispatch_sites(ast.parse(path.read_text())))
     }
     assert offenders == {}, "select by name through the registry instead"
+
+
+def test_a_run_needs_neither_hypothesis_nor_matplotlib_and_their_commands_name_the_extra(
+        tmp_path):
+    """Test and plotting libraries are extras (`contract`, `plot`): the core and a recipe's
+    imports load without them, and the commands that need them say which extra to install."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import sys
+        sys.modules["hypothesis"] = sys.modules["matplotlib"] = None  # not installed
+        sys.path.insert(0, "recipes")
+        import gsm8k_grpo, gsm8k_sft, dpo  # every module a run imports
+        import areal_flow.cli
+        assert not {{"hypothesis", "matplotlib"}} & {{m.split(".")[0] for m in sys.modules
+                                                    if sys.modules[m] is not None}}
+        for argv in (["plot", "{tmp_path}"], ["check-reward", "gsm8k"]):
+            assert areal_flow.cli.main(argv) == 2, argv
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[1], timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "pip install 'areal-flow[plot]'" in done.stderr
+    assert "pip install 'areal-flow[contract]'" in done.stderr

@@ -191,7 +191,7 @@ def measured(cfg: Any, model: str, *engines: tuple[str, Any],
             choices.append(f"{field}.dtype: {engine.precision.describe()}")
     rollouts = None  # the engine's dtype, where known
     if getattr(cfg, "inference", None) is not None:
-        rollouts = cfg.inference.dtype if cfg.inference.dtype != "auto" else None
+        rollouts = cfg.inference.dtype if cfg.inference.dtype in DTYPES else None  # not auto
         if in_process:
             engine = choose(cfg.inference.dtype, model, purpose="decode",
                             device=resolve_device(cfg.inference.device))

@@ -24,8 +24,12 @@ from typing import Any
 
 import anyio
 import attrs
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+try:
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+except ImportError:
+    raise ModuleNotFoundError("the reward contract kit generates its cases with hypothesis: pip "
+                              "install 'areal-flow[contract]'") from None
 
 from areal_flow.registry import rewards
 from areal_flow.reward.runner import metrics_problem

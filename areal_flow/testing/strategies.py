@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from decimal import Decimal
 
-from hypothesis import strategies as st
+try:
+    from hypothesis import strategies as st
+except ImportError:
+    raise ModuleNotFoundError("the reward contract kit generates its cases with hypothesis: pip "
+                              "install 'areal-flow[contract]'") from None
 
 # Fragments that answer parsers look for, so random text often reaches their corner cases.
 _MARKERS = ["####", "#### ", "\\boxed{", "}", "$", "%", ",", ".", "-", "The answer is", "\n", " "]
