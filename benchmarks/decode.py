@@ -6,7 +6,8 @@ its shape), in fp32 and, where the CPU has fast bf16, in bf16:
                     then the argmax token of every row fed back with transformers' KV cache
   engine          — `LocalEngine`, the same prompts submitted at once, sampled at T = 1 with a
                     seed each (sampling, stop checks and log-probs included), EOS ignored
-  engine, X off   — the engine with one optimisation switched off (`kv_slots`, `pack_weights`)
+  engine, X off   — the engine with one optimisation switched off (`kv_slots`, `pack_weights`,
+                    `grouped_attention`)
 A step's time is the gap between two engine steps (`on_step`), or two calls of the bare loop;
 the table gives the median and the spread (p90, max), tokens/s at the median, the step against
 the bare loop's (speed-up), and MBU: the bytes of the weights over the measured read bandwidth,
@@ -37,7 +38,8 @@ from engine import in_own_thread, smollm2_sized
 
 PROMPT, WARMUP = 60, 3
 OPTIONS = {"engine": {}, "engine, kv_slots off": {"kv_slots": False},
-           "engine, pack_weights off": {"pack_weights": False}}
+           "engine, pack_weights off": {"pack_weights": False},
+           "engine, grouped_attention off": {"grouped_attention": False}}
 
 
 def smollm2(tmp: Path) -> tuple[str, Path]:

@@ -11,9 +11,10 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 from transformers.cache_utils import DynamicLayer
 
-from areal_flow.inference import kv_batch, packed_weights
+from areal_flow.inference import grouped_attention, kv_batch, packed_weights
 from areal_flow.inference.local import LocalEngine
-from tests.test_local_engine import assert_same_generations, group, perturbed, run_interrupted
+from tests.test_local_engine import (assert_same_generations, generate_together, group, perturbed,
+                                     run_interrupted)
 
 
 def interrupted_run(model_dir, **options):
@@ -115,6 +116,54 @@ def test_left_padded_rows_give_integer_positions_a_position_table_can_take():
     table = torch.nn.Embedding(4, 2)
     assert table(kv_batch.positions(mask)).shape == (2, 3, 2)  # a float index would raise
     assert table(ids.clamp(max=3)).shape == (2, 3, 2)
+
+
+def test_grouped_attention_generates_what_transformers_sdpa_does(tiny_model_dir):
+    """Greedy tokens are the same and log-probs agree to float rounding, on left-padded rows
+    of several lengths decoded together (masked attention over KV slot views)."""
+    from areal_flow.types import GenerationRequest, SamplingParams
+
+    results = {}
+    for grouped in (True, False):
+        engine = LocalEngine(tiny_model_dir, grouped_attention=grouped, max_batch_size=8)
+        assert engine.grouped_attention == grouped
+        assert (engine.model.config._attn_implementation == grouped_attention.NAME) == grouped
+        requests = [GenerationRequest(input_ids=list(range(30 + 5 * i, 60 + 5 * i - 4 * i)),
+                                      sampling=SamplingParams(temperature=0.0,
+                                                              max_new_tokens=20,
+                                                              ignore_eos=True))
+                    for i in range(6)]
+        try:
+            results[grouped] = generate_together(engine, requests)
+        finally:
+            engine.close()
+    for on, off in zip(results[True], results[False], strict=True):
+        assert on.token_ids == off.token_ids
+        torch.testing.assert_close(torch.tensor(on.logprobs), torch.tensor(off.logprobs),
+                                   atol=1e-4, rtol=0)
+
+
+def test_grouped_attention_is_for_a_cpu_and_matches_sdpa_on_a_padded_cached_batch(
+        tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa")
+    assert grouped_attention.available(model, torch.device("cpu"))
+    assert not grouped_attention.available(model, torch.device("cuda"))
+    grouped = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation="sdpa")
+    grouped_attention.use(grouped)
+    ids = torch.tensor([[5, 6, 7, 8, 9], [0, 0, 7, 8, 9]])
+    mask = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
+    step_mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1)
+    outs = []
+    with torch.no_grad():
+        for net in (model, grouped):
+            first = net(input_ids=ids, attention_mask=mask, position_ids=kv_batch.positions(mask),
+                        use_cache=True)
+            step = net(input_ids=torch.tensor([[11], [12]]), attention_mask=step_mask,
+                       position_ids=step_mask.sum(1, keepdim=True) - 1,
+                       past_key_values=first.past_key_values, use_cache=True)
+            outs.append((first.logits, step.logits))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
 
 
 @pytest.mark.skipif(not packed_weights.available(torch.bfloat16, torch.device("cpu")),

@@ -32,6 +32,7 @@ import attrs
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from areal_flow.inference import grouped_attention as grouped_attention_module
 from areal_flow.inference import packed_weights
 from areal_flow.inference.kv_batch import KVBatch, left_padded, positions
 from areal_flow.inference.sampling import sample
@@ -103,6 +104,8 @@ class LocalEngine:
             writes its column in place (off: transformers' concatenation, for comparisons).
         pack_weights: bf16 on a CPU: linear layers read weights prepacked for oneDNN once per
             update instead of repacked every call (`packed_weights`; off: for comparisons).
+        grouped_attention: on a CPU, attention reads grouped key/value heads in place, masked
+            (`grouped_attention`; off: transformers' sdpa, for comparisons).
     """
 
     def __init__(
@@ -118,6 +121,7 @@ class LocalEngine:
         threads: int | None = None,
         kv_slots: bool = True,
         pack_weights: bool = True,
+        grouped_attention: bool = True,
     ):
         if dtype not in CHOICES:
             raise ValueError(f"'dtype' must be one of {', '.join(CHOICES)}: {dtype!r}")
@@ -137,6 +141,10 @@ class LocalEngine:
         self.share_prefix = share_prefix
         self.pack_weights = pack_weights and packed_weights.available(self.model.dtype,
                                                                       self.device)
+        self.grouped_attention = grouped_attention and \
+            grouped_attention_module.available(self.model, self.device)
+        if self.grouped_attention:
+            grouped_attention_module.use(self.model)
         self.max_length = getattr(self.model.config, "max_position_embeddings", None)
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
         # what a decode step must read at least (tied tensors once), and how fast it can be read
