@@ -8,6 +8,8 @@ its shape), in fp32 and, where the CPU has fast bf16, in bf16:
                     seed each (sampling, stop checks and log-probs included), EOS ignored
   engine, X off   — the engine with one optimisation switched off (`kv_slots`, `pack_weights`,
                     `grouped_attention`)
+  ragged prompts  — the engine on prompts of 40 to 60 tokens (left-padded: masked attention),
+                    with and without `grouped_attention`
 A step's time is the gap between two engine steps (`on_step`), or two calls of the bare loop;
 the table gives the median and the spread (p90, max), tokens/s at the median, the step against
 the bare loop's (speed-up), and MBU: the bytes of the weights over the measured read bandwidth,
@@ -39,7 +41,12 @@ from engine import in_own_thread, smollm2_sized
 PROMPT, WARMUP = 60, 3
 OPTIONS = {"engine": {}, "engine, kv_slots off": {"kv_slots": False},
            "engine, pack_weights off": {"pack_weights": False},
-           "engine, grouped_attention off": {"grouped_attention": False}}
+           "engine, grouped_attention off": {"grouped_attention": False},
+           # prompts of 40 to 60 tokens, as an RL batch has: the rows are left-padded, so the
+           # attention is masked (equal lengths need no mask)
+           "engine, ragged prompts": {"ragged": True},
+           "engine, ragged prompts, grouped_attention off": {"ragged": True,
+                                                             "grouped_attention": False}}
 
 
 def smollm2(tmp: Path) -> tuple[str, Path]:
@@ -74,11 +81,13 @@ def bare(path: Path, dtype: str, batch: int, steps: int) -> list[float]:
     return times[WARMUP:]
 
 
-def engine(path: Path, dtype: str, batch: int, steps: int, **options) -> list[float]:
+def engine(path: Path, dtype: str, batch: int, steps: int, ragged: bool = False,
+           **options) -> list[float]:
     engine = LocalEngine(path, dtype=dtype, max_batch_size=batch, **options)
     stamps: list[float] = []
     try:
-        requests = [GenerationRequest(input_ids=p, sampling=SamplingParams(
+        requests = [GenerationRequest(input_ids=p[(3 * i) % 21 if ragged else 0:],
+                                      sampling=SamplingParams(
             max_new_tokens=1 + WARMUP + steps, temperature=1.0, ignore_eos=True, seed=i))
             for i, p in enumerate(prompts(batch, engine.vocab_size))]
 
