@@ -159,7 +159,11 @@ def main(cfg: Config) -> None:
                     metrics["seconds/step"] = time.perf_counter() - began
                     tokens = batch["attention_mask"].sum().item()
                     metrics["tokens_per_second"] = tokens / metrics["seconds/step"]
-                    metrics["perf/mfu"] = trainer.mfu(tokens, metrics["seconds/train"])
+                    # the tokens the update trained (every mini-batch's step), not the batch's:
+                    # a step of flat groups trains none
+                    metrics["perf/mfu"] = trainer.mfu(
+                        stats.get("train/tokens", 0.0) * cfg.train.ppo_minibatches,
+                        metrics["seconds/train"])
                     if "pool/decode_mbu" in metrics:  # an in-process engine's (servers: SGLang's)
                         metrics["perf/decode_mbu"] = metrics.pop("pool/decode_mbu")
                     if cfg.eval_size and ((step + 1) % cfg.eval_every == 0 or last) \

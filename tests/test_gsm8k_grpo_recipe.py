@@ -62,7 +62,10 @@ def check_run_folder(run_dir: Path, steps: int, *, rows_trained: bool = False,
                     "memory/peak_rss_gb", "reward/flat_group_fraction",
                     "response_length/clip_fraction"):
             assert key in m, key
-        assert 0 < m["perf/mfu"] < float("inf")  # trained FLOPs over the measured GEMM rate
+        # trained FLOPs over the measured GEMM rate: never above the rate, and 0 for a step
+        # that trained no token (its rows all skipped) whatever the batch held
+        assert 0 <= m["perf/mfu"] < 1
+        assert (m["perf/mfu"] > 0) == (m["train/skipped_rows"] < ROWS), m["perf/mfu"]
         expected = [*task, *(f"eval/{name}" for name in task),
                     *(f"eval/{name}_ci_{end}" for name in task for end in ("low", "high"))]
         assert sorted(k for k in m if k.split("/")[-1].split("_ci_")[0] in
@@ -112,6 +115,20 @@ def test_two_torchrun_ranks_give_the_one_process_first_step_loss(one_process, ti
     assert two["loss"] == pytest.approx(one["loss"], rel=1e-4, abs=1e-6)
     assert one["grad_norm"] > 1e-2
     assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4)
+
+
+def test_a_step_of_flat_groups_trains_nothing_and_reports_no_mfu(tiny_model_dir, gsm8k_file,
+                                                                 tmp_path):
+    """Every reward scores its default (0): every group is flat, every row is skipped, and the
+    step's MFU is 0, not the batch's tokens over a few milliseconds (it read 6.3, i.e. 630 %,
+    in the soak's fault-free run)."""
+    run_recipe(RECIPE, tiny_args(tiny_model_dir, gsm8k_file, tmp_path / "run",
+                                 "--reward", "tests.rewards_for_tests:always_fails",
+                                 "--reward-failure-limit", "1", "--eval-size", "0",
+                                 "--save-every", "100"))
+    lines = [m for m in metrics(tmp_path / "run") if m["step"] > 0]
+    assert [m["train/skipped_rows"] for m in lines] == [ROWS, ROWS]
+    assert [m["perf/mfu"] for m in lines] == [0.0, 0.0]
 
 
 def test_bf16_generation_for_fp32_training_runs_with_the_mismatch_corrected(

@@ -351,6 +351,8 @@ class TrainEngine:
                "grad_norm": grad_norm, "skipped_step": float(skipped),
                "lr": self.scheduler.get_last_lr()[0], "normalizer": total_norm,
                "train/skipped_rows": float(totals.skipped_rows),
+               # through forward and backward, all ranks: what MFU counts (skipped rows are not)
+               "train/tokens": float(totals.tokens),
                # packed micro-batches have no padding; how full their token budget is instead
                "train/micro_batches": float(totals.micro_batches),
                "train/mb_fill": totals.tokens / max(totals.micro_batches, 1)
