@@ -3,11 +3,12 @@
 transformers' `sdpa` attention hands torch's kernel the grouped heads (`enable_gqa`) only when
 the batch has no mask, because CUDA's kernels fall back to the slow math kernel for a masked call
 with grouped heads; otherwise it repeats the key/value heads, or at one query packs the query
-heads. The engine's batches are left-padded, so always masked, and its KV slots are views of
-larger buffers, on which the packed call is about 7x slower on a CPU (per layer, batch 8 of
-SmolLM2-135M: 520 us on the views, 73 us on contiguous copies, 70 us with `enable_gqa` on the
-views; bit-identical outputs; `benchmarks/decode.py` has the engine's on/off rows). torch's CPU
-kernel takes a mask with `enable_gqa`, so on a CPU the engine uses this attention instead
+heads. The engine's batches of ragged prompts are left-padded, so masked. torch's CPU kernel
+takes a mask with `enable_gqa` and gives bit-identical bf16 outputs. Measured per layer at batch
+8 on SmolLM2's shape (bf16, the KV slots' views, 2 cores): the same at 120 keys; at 400 keys 129
+against 150 us on a quiet machine, and 139 against 201 us with the other core busy (an engine
+beside a trainer). End to end, at the decode benchmark's short contexts, the difference is
+within its noise (`benchmarks/decode.py`'s rows). So on a CPU the engine uses this attention
 (registered with transformers' attention interface as `NAME`; `LocalEngine(grouped_attention=)`).
 """
 
