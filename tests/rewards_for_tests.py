@@ -18,6 +18,16 @@ def completion_length(completion: str, **fields) -> float:
     return float(len(completion))
 
 
+@reward("tests.gated_length", timeout=120.0, range=(0.0, 1000.0))
+def gated_length(completion: str, **fields) -> float:
+    """`completion_length`, held while the file named by AREAL_TEST_GATE exists: a test holds a
+    run's training at a point it chooses (a run advances only on rewarded groups)."""
+    gate = os.environ.get("AREAL_TEST_GATE")
+    while gate and os.path.exists(gate):
+        time.sleep(0.05)
+    return float(len(completion))
+
+
 @reward("tests.sleeps_forever", timeout=0.5)
 def sleeps_forever(completion: str) -> float:
     while True:
@@ -144,14 +154,6 @@ def leaks(completion: str) -> float:
     """Keeps 20 MB per call in a global (resident: filled, not calloc'd)."""
     _KEPT.append(b"x" * (20 * 2**20))
     return 1.0
-
-
-@reward("tests.worker_pid", range=(0.0, 2.0**32))
-def worker_pid(completion: str) -> float:
-    """The worker's pid, as a score."""
-    import os
-
-    return float(os.getpid())
 
 
 @reward("tests.leaking_text_hash", timeout=5.0)

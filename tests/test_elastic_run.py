@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from areal_flow.inference.launcher import SGLangLauncher, serve_command
@@ -33,6 +34,10 @@ def logged(run_dir: Path) -> list[dict]:
         return []
 
 
+def weight_version(address: str) -> str:
+    return str(httpx.get(f"http://{address}/model_info", timeout=5).json()["weight_version"])
+
+
 def logged_steps(run_dir: Path) -> int:
     return max((m["step"] for m in logged(run_dir)), default=0)
 
@@ -44,6 +49,9 @@ def test_a_server_joins_and_another_dies_mid_run_and_no_group_is_lost(tiny_model
     data.write_text("".join(json.dumps({"question": f"What is {a} plus {b}?",
                                         "answer": f"{a} + {b} = {a + b}\n#### {a + b}"}) + "\n"
                             for a in range(8) for b in range(6)))
+    # training is held (a reward waits while `gate` exists) whenever the run must not move on:
+    # while the newcomer joins, and while b is killed, so b dies with steps left to notice it
+    gate = tmp_path / "gate"
     # servers start from the initial weights, labelled version 0 (a newcomer served before it
     # caught up would hand out version-0 tokens late in the run)
     with SGLangLauncher(tiny_model_dir, gpus=[0, 1, 2],
@@ -55,11 +63,12 @@ def test_a_server_joins_and_another_dies_mid_run_and_no_group_is_lost(tiny_model
              str(tiny_model_dir), "--dataset", str(data), "--run-dir", str(run_dir),
              "--steps", str(STEPS), "--eval-size", "4", "--rollout.batch-size", str(GROUPS),
              "--rollout.group-size", "2", "--sampling.max-new-tokens", "32",
-             "--rollout.max-staleness", "1", "--reward",
-             "tests.rewards_for_tests:completion_length", "--inference.dtype", "float32",
-             "--train.dtype", "float32", "--inference.backend", "sglang", "--inference.addresses-file",
-             str(listing), "--inference.lease-dir", str(tmp_path / "leases")],
-            cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+             "--rollout.max-staleness", "1", "--reward", "tests.rewards_for_tests:gated_length",
+             "--inference.dtype", "float32", "--train.dtype", "float32",
+             "--inference.backend", "sglang", "--inference.addresses-file", str(listing),
+             "--inference.lease-dir", str(tmp_path / "leases")],
+            cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
+                           "AREAL_TEST_GATE": str(gate)},
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
             deadline = time.monotonic() + 300
@@ -67,15 +76,23 @@ def test_a_server_joins_and_another_dies_mid_run_and_no_group_is_lost(tiny_model
             def wait_for(ready) -> None:
                 while not ready():
                     assert run.poll() is None and time.monotonic() < deadline, run.stdout.read()
-                    time.sleep(0.1)  # polling a file the run writes
+                    time.sleep(0.1)  # polling a file the run writes, or a server
 
             wait_for(lambda: logged_steps(run_dir) >= 1)
+            gate.touch()
             write_addresses(listing, a, b, c)
-            # once a step has run with the newcomer in rotation, b dies mid-run
+            # the newcomer is caught up when it reports the weights the others have
+            wait_for(lambda: weight_version(c) == weight_version(a) != "0")
+            gate.unlink()
             wait_for(lambda: any(m.get("pool/servers_healthy") == 3 for m in logged(run_dir)))
+            gate.touch()  # at most the groups already rewarded train before b is gone
             servers.processes[1].send_signal(signal.SIGKILL)
+            servers.processes[1].wait()
+            assert logged_steps(run_dir) <= STEPS // 2, "the gate did not hold the run"
+            gate.unlink()
             output, _ = run.communicate(timeout=300)
         finally:
+            gate.unlink(missing_ok=True)
             if run.poll() is None:
                 run.kill()
                 run.wait()
