@@ -1,6 +1,6 @@
 """The engine's fast decode paths give what the plain ones give: KV slots written in place
-(`kv_batch.SlotLayer`) and weights prepacked for oneDNN (`packed_weights`). The speed is in
-`benchmarks/decode.py`."""
+(`kv_batch.SlotLayer`), weights prepacked for oneDNN (`packed_weights`) and the decode step
+written out layer by layer (`decode_step`). The speed is in `benchmarks/decode.py`."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 from transformers.cache_utils import DynamicLayer
 
-from areal_flow.inference import grouped_attention, kv_batch, packed_weights
+from areal_flow.inference import decode_step, grouped_attention, kv_batch, packed_weights
 from areal_flow.inference.local import LocalEngine
 from tests.test_local_engine import (assert_same_generations, generate_together, group, perturbed,
                                      run_interrupted)
@@ -178,6 +178,31 @@ def test_packed_weights_generate_what_plain_ones_do_and_follow_weight_updates(ti
     plain, engine = interrupted_run(tiny_model_dir, dtype="bfloat16", pack_weights=False)
     assert not any("forward" in m.__dict__ for m in engine.model.modules())
     assert_same_generations(packed, plain)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_fused_decode_step_generates_what_transformers_forward_does(tiny_model_dir, dtype):
+    """Bit for bit: the same tokens and the same log-probs, through rows of two prompt lengths
+    (masked attention), a row joining late and a weight update mid-run (in bf16 on this CPU the
+    layers read packed weights, repacked after the update)."""
+    fused, engine = interrupted_run(tiny_model_dir, dtype=dtype)
+    assert engine._decode_step is not None  # the default on a CPU for a Llama model
+    plain, engine = interrupted_run(tiny_model_dir, dtype=dtype, fused_decode=False)
+    assert engine._decode_step is None
+    for a, b in zip(fused, plain, strict=True):
+        assert (a.token_ids, a.logprobs, a.versions) == (b.token_ids, b.logprobs, b.versions)
+
+
+def test_the_fused_decode_step_is_for_llama_family_models_on_a_cpu(tiny_model_dir):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    llama = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert decode_step.supports(llama, torch.device("cpu"))
+    assert not decode_step.supports(llama, torch.device("cuda"))
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50))
+    assert not decode_step.supports(gpt2, torch.device("cpu"))
+    llama.model.layers[0].mlp.act_fn = torch.nn.GELU()  # another MLP: transformers' forward
+    assert not decode_step.supports(llama, torch.device("cpu"))
 
 
 def test_packing_is_for_bf16_on_a_cpu_only():

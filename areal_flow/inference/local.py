@@ -34,6 +34,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from areal_flow.inference import grouped_attention as grouped_attention_module
 from areal_flow.inference import packed_weights
+from areal_flow.inference.decode_step import DecodeStep
+from areal_flow.inference.decode_step import supports as decode_step_supports
 from areal_flow.inference.kv_batch import KVBatch, left_padded, positions
 from areal_flow.inference.sampling import sample
 from areal_flow.lora import add_adapters, is_adapter, load_adapter, same_shape
@@ -106,6 +108,9 @@ class LocalEngine:
             update instead of repacked every call (`packed_weights`; off: for comparisons).
         grouped_attention: on a CPU, attention reads grouped key/value heads in place, masked
             (`grouped_attention`; off: transformers' sdpa, for comparisons).
+        fused_decode: on a CPU, for Llama-family models, decode steps run the model's layers
+            directly (`decode_step`; the same logits bit for bit, without transformers'
+            per-step plumbing; off: transformers' forward, for comparisons).
     """
 
     def __init__(
@@ -122,6 +127,7 @@ class LocalEngine:
         kv_slots: bool = True,
         pack_weights: bool = True,
         grouped_attention: bool = True,
+        fused_decode: bool = True,
     ):
         if dtype not in CHOICES:
             raise ValueError(f"'dtype' must be one of {', '.join(CHOICES)}: {dtype!r}")
@@ -145,6 +151,9 @@ class LocalEngine:
             grouped_attention_module.available(self.model, self.device)
         if self.grouped_attention:
             grouped_attention_module.use(self.model)
+        # reads the model's modules as they are at each step: updates and adapters apply
+        self._decode_step = DecodeStep(self.model) if fused_decode and decode_step_supports(
+            self.model, self.device) else None
         self.max_length = getattr(self.model.config, "max_position_embeddings", None)
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
         # what a decode step must read at least (tied tensors once), and how fast it can be read
@@ -524,10 +533,13 @@ class LocalEngine:
         started = time.perf_counter()
         last = torch.tensor([[seq.tokens[-1]] for seq in self._running], device=self.device)
         mask, position_ids = self._kv.next_column()
-        out = self.model(input_ids=last, attention_mask=mask, position_ids=position_ids,
-                         past_key_values=self._kv.cache, use_cache=True)
-        self._kv.cache = out.past_key_values
-        self._sample_and_advance(out.logits[:, -1], first_row=0, decode_started=started)
+        if self._decode_step is not None:
+            logits = self._decode_step(last, position_ids, mask, self._kv.cache)
+        else:
+            out = self.model(input_ids=last, attention_mask=mask, position_ids=position_ids,
+                             past_key_values=self._kv.cache, use_cache=True)
+            self._kv.cache, logits = out.past_key_values, out.logits[:, -1]
+        self._sample_and_advance(logits, first_row=0, decode_started=started)
 
     def _sample_and_advance(self, logits: torch.Tensor, first_row: int,
                             decode_started: float | None = None) -> None:

@@ -1,0 +1,109 @@
+"""The local engine's decode step for Llama-family models, written out layer by layer.
+
+A decode step feeds one token per row through every layer. On a CPU at SmolLM2's size the
+linear layers read the weights in about half the step; most of the other half is not arithmetic
+but transformers' plumbing around it: each step builds an attention mask, threads keyword
+arguments and output records through the model, calls ~13 modules per layer through
+`nn.Module.__call__`, and applies the rotary embedding to queries and keys separately (~45
+small operations per layer). `DecodeStep` runs the same layers for one token per row directly:
+the same modules' `forward`s (packed weights, LoRA layers and weight updates apply unchanged,
+since it reads the modules, not copies), the rotary embedding once for queries and keys
+together, the padding mask as one boolean view, and the KV batch's layers updated in place.
+
+The result is the same computation: in fp32 and bf16 its logits equal transformers' step bit
+for bit (tests/test_decode_paths.py); `LocalEngine(fused_decode=False)` runs transformers'
+forward instead, for comparisons (`benchmarks/decode.py`). Prefill stays transformers' forward:
+one call per admission, not per token.
+
+Used where it applies (`supports`): a CPU (a GPU's step is bound by kernel launches, which
+CUDA graphs address instead), decoder layers of the Llama family (Llama, SmolLM, Qwen2) with
+full attention and SiLU MLPs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+DEVICES = {"cpu"}
+
+
+def _decoder_layers() -> tuple[type, ...]:
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
+
+    return LlamaDecoderLayer, Qwen2DecoderLayer
+
+
+def supports(model: torch.nn.Module, device: torch.device) -> bool:
+    """Whether `DecodeStep` computes `model`'s decode step on `device` (else: transformers')."""
+    from transformers.activations import SiLUActivation
+
+    base = getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
+    if device.type not in DEVICES or layers is None or not hasattr(model, "lm_head"):
+        return False
+    return all(isinstance(layer, _decoder_layers())
+               and getattr(layer.self_attn, "sliding_window", None) is None  # full attention
+               and isinstance(layer.mlp.act_fn, (SiLUActivation, torch.nn.SiLU))
+               for layer in layers)
+
+
+class DecodeStep:
+    """`step(ids, positions, mask, cache)`: the logits of the next token of every row.
+
+    ids and positions: (rows, 1); mask: (rows, columns) with 1 for a real token, the new column
+    included; cache: the KV batch's `DynamicCache`, whose layers take the new keys and values.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        base = model.model
+        self._embed, self._rotary, self._norm = base.embed_tokens, base.rotary_emb, base.norm
+        self._head = model.lm_head
+        self._layers = list(base.layers)
+        attention = self._layers[0].self_attn
+        self._heads = model.config.num_attention_heads
+        self._kv_heads = model.config.num_key_value_heads
+        self._head_dim = attention.head_dim
+        self._scaling = attention.scaling
+
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                 cache) -> torch.Tensor:
+        hidden = self._embed.forward(ids)
+        cos, sin = self._rotary.forward(hidden, positions)
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # (rows, 1, 1, head_dim): every head
+        # without padding every row attends to every column (one query: causal is all of them)
+        attend = None if bool(mask.all()) else mask[:, None, None, :].bool()
+        for layer, kv in zip(self._layers, cache.layers):
+            hidden = self._layer(layer, hidden, cos, sin, attend, kv)
+        return self._head.forward(_rms_norm(self._norm, hidden))[:, -1]
+
+    def _layer(self, layer, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               attend: torch.Tensor | None, kv) -> torch.Tensor:
+        rows, attn, mlp = hidden.shape[0], layer.self_attn, layer.mlp
+        x = _rms_norm(layer.input_layernorm, hidden)
+        # queries and keys side by side (rows, 1, heads + kv heads, head_dim): one rotation
+        qk = torch.cat([attn.q_proj.forward(x), attn.k_proj.forward(x)], dim=-1)
+        qk = qk.view(rows, 1, self._heads + self._kv_heads, self._head_dim)
+        qk = qk * cos + _rotate_half(qk) * sin
+        q = qk[:, :, :self._heads].transpose(1, 2)
+        k = qk[:, :, self._heads:].transpose(1, 2)
+        v = attn.v_proj.forward(x).view(rows, 1, self._kv_heads, self._head_dim).transpose(1, 2)
+        k, v = kv.update(k, v)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attend, scale=self._scaling,
+                                             enable_gqa=self._kv_heads != self._heads)
+        hidden = hidden + attn.o_proj.forward(out.transpose(1, 2).reshape(rows, 1, -1))
+        x = _rms_norm(layer.post_attention_layernorm, hidden)
+        return hidden + mlp.down_proj.forward(F.silu(mlp.gate_proj.forward(x))
+                                              * mlp.up_proj.forward(x))
+
+
+def _rms_norm(norm: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """transformers' Llama RMSNorm (normalised in fp32, scaled in the model's dtype), fused."""
+    normed = F.rms_norm(hidden.float(), hidden.shape[-1:], eps=norm.variance_epsilon)
+    return norm.weight * normed.to(hidden.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
