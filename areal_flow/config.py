@@ -158,6 +158,9 @@ class InferenceConfig:
     """CPU threads the in-process local engine computes with, in a pool of its own (the trainer
     keeps the process's). None: as many as the process's (measured fastest for SmolLM2 on 2
     cores; 1 was faster for the tiny model, benchmarks/README.md)."""
+    hosted: bool = True
+    """The in-process local engine decodes on the trainer's thread while the trainer waits for
+    its batch (`LocalEngine.hosted`; off: on the engine thread throughout, for comparisons)."""
     device: str = attrs.field(default="auto")
     """Where the local engine (and launched `areal-flow serve` servers) run: auto (cuda when a
     GPU is visible, else cpu), cpu, cuda or cuda:N."""

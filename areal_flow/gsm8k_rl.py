@@ -5,6 +5,7 @@ task; each brings its own default reward, whose `metrics` the panel shows."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import json
@@ -32,6 +33,7 @@ from areal_flow.config import (InferenceConfig, OptimizerConfig, RolloutConfig, 
 from areal_flow.algorithms.functional import flat_groups
 from areal_flow.algorithms.grpo import GRPOConfig
 from areal_flow.data import reasoning_gym
+from areal_flow.inference.local import LocalEngine
 from areal_flow.rollout.scheduler import RolloutError, RolloutScheduler
 from areal_flow.run import RunConfig, StopRequest, peak_rss_gb, tree_rss_gb
 from areal_flow.runtime.engine import TrainConfig
@@ -402,23 +404,34 @@ STOPPED = "stopped"
 """What `next_batch` returns when a stop was requested while it waited."""
 
 
-def next_batch(scheduler: RolloutScheduler | None, stop: StopRequest, timeout: float):
+def next_batch(scheduler: RolloutScheduler | None, stop: StopRequest, timeout: float,
+               host: bool = True):
     """Rank 0: the next batch; the error that stopped the rollout (a RolloutError when no batch
     came in `timeout` seconds); or STOPPED when Ctrl-C/SIGTERM came while it waited. Other
-    ranks: None. `halt` tells every rank which it was."""
+    ranks: None. `halt` tells every rank which it was.
+
+    With `host`, an in-process engine decodes on this thread while it waits
+    (`LocalEngine.hosted`: the engine thread would decode on a throttled OpenMP team)."""
     if scheduler is None:
         return None
     deadline = time.monotonic() + timeout
-    while not stop.requested:  # wait in short slices, so a stop request is seen within one
-        try:
-            return scheduler.prepare_batch(timeout=min(1.0, max(deadline - time.monotonic(), 0)))
-        except TimeoutError:
-            if time.monotonic() >= deadline:
-                return RolloutError(
-                    f"no batch in {timeout:g} s (--rollout.batch-timeout): no server could serve, "
-                    f"or every workflow hung; the rollout's counters: {scheduler.stats()}")
-        except Exception as error:  # noqa: BLE001 - raised by the recipe, after a checkpoint
-            return error
+    hosting = scheduler.pool.hosted() if host and isinstance(scheduler.pool, LocalEngine) \
+        else contextlib.nullcontext()
+    with hosting as engine:
+        while not stop.requested:  # wait in short slices, so a stop request is seen within one
+            try:
+                return scheduler.prepare_batch(timeout=0.0 if engine else min(
+                    1.0, max(deadline - time.monotonic(), 0)))
+            except TimeoutError:
+                if time.monotonic() >= deadline:
+                    return RolloutError(
+                        f"no batch in {timeout:g} s (--rollout.batch-timeout): no server could "
+                        f"serve, or every workflow hung; the rollout's counters: "
+                        f"{scheduler.stats()}")
+                if engine:
+                    engine.step(timeout=0.01)  # or wait that long for requests to come
+            except Exception as error:  # noqa: BLE001 - raised by the recipe, after a checkpoint
+                return error
     return STOPPED
 
 

@@ -6,15 +6,22 @@ its shape), in fp32 and, where the CPU has fast bf16, in bf16:
                     then the argmax token of every row fed back with transformers' KV cache
   engine          — `LocalEngine`, the same prompts submitted at once, sampled at T = 1 with a
                     seed each (sampling, stop checks and log-probs included), EOS ignored
+                    (`LocalEngine.hosted`: the steps run on the measuring thread, as the recipe's
+                    trainer runs them while it waits for its batch)
+  engine, hosted off — the steps on the engine's own thread, beside the measuring thread that
+                    built the engine (as beside a trainer): two OpenMP teams, which libgomp
+                    throttles
   engine, X off   — the engine with one optimisation switched off (`kv_slots`, `pack_weights`,
-                    `grouped_attention`)
+                    `grouped_attention`, `fused_decode`)
   ragged prompts  — the engine on prompts of 40 to 60 tokens (left-padded: masked attention),
                     with and without `grouped_attention`
 A step's time is the gap between two engine steps (`on_step`), or two calls of the bare loop;
 the table gives the median and the spread (p90, max), tokens/s at the median, the step against
 the bare loop's (speed-up), and MBU: the bytes of the weights over the measured read bandwidth,
 divided by the step (the fraction of the weight-read bound a step reaches). Every number comes
-from this one invocation.
+from this one invocation. Each measurement runs on a thread of its own that ends with it, and
+nothing computes on the main thread: an OpenMP team left alive by another thread would throttle
+the next measurement's.
 
     python benchmarks/decode.py [--quick] [--out benchmarks/results/decode.json]
 """
@@ -25,6 +32,7 @@ import asyncio
 import os
 import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -39,7 +47,9 @@ from common import machine_line, main, markdown_table
 from engine import in_own_thread, smollm2_sized
 
 PROMPT, WARMUP = 60, 3
-OPTIONS = {"engine": {}, "engine, kv_slots off": {"kv_slots": False},
+OPTIONS = {"engine": {}, "engine, hosted off": {"hosted": False},
+           "engine, fused_decode off": {"fused_decode": False},
+           "engine, kv_slots off": {"kv_slots": False},
            "engine, pack_weights off": {"pack_weights": False},
            "engine, grouped_attention off": {"grouped_attention": False},
            # prompts of 40 to 60 tokens, as an RL batch has: the rows are left-padded, so the
@@ -82,7 +92,7 @@ def bare(path: Path, dtype: str, batch: int, steps: int) -> list[float]:
 
 
 def engine(path: Path, dtype: str, batch: int, steps: int, ragged: bool = False,
-           **options) -> list[float]:
+           hosted: bool = True, **options) -> list[float]:
     engine = LocalEngine(path, dtype=dtype, max_batch_size=batch, **options)
     stamps: list[float] = []
     try:
@@ -94,9 +104,19 @@ def engine(path: Path, dtype: str, batch: int, steps: int, ragged: bool = False,
         async def serve():
             return await asyncio.gather(*(engine.generate(r) for r in requests))
 
-        asyncio.run(serve())  # warm-up: allocations, oneDNN's kernel choices
+        def generate():
+            if not hosted:
+                return asyncio.run(serve())
+            requester = threading.Thread(target=asyncio.run, args=(serve(),))
+            with engine.hosted():
+                requester.start()
+                while requester.is_alive():
+                    engine.step(timeout=0.01)
+            requester.join()
+
+        generate()  # warm-up: allocations, oneDNN's kernel choices
         engine.on_step = lambda _: stamps.append(time.perf_counter())
-        asyncio.run(serve())
+        generate()
     finally:
         engine.close()
     gaps = [b - a for a, b in zip(stamps, stamps[1:])]  # the first stamp ends the prefill
@@ -104,8 +124,10 @@ def engine(path: Path, dtype: str, batch: int, steps: int, ragged: bool = False,
 
 
 def weight_bytes(path: Path, dtype: str) -> int:
+    """What a decode step must read at least: each weight once (a tied head is the embedding)."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
-    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    return sum({t.data_ptr(): t.numel() * t.element_size()
+                for t in model.state_dict().values()}.values())
 
 
 def run(quick: bool = False) -> dict:
@@ -115,12 +137,13 @@ def run(quick: bool = False) -> dict:
             name, path = "tiny", in_own_thread(build_tiny_model, Path(tmp) / "tiny")
         else:
             name, path = smollm2(Path(tmp))
-        fast_bf16 = precision.choose("auto", path, purpose="decode").dtype == "bfloat16"
-        dtypes = ("float32", "bfloat16") if fast_bf16 else ("float32",)
-        bandwidth = precision.read_bandwidth()
+        # nothing computes on this thread: a team of its own would throttle every measurement's
+        choice = in_own_thread(precision.choose, "auto", path, purpose="decode")
+        dtypes = ("float32", "bfloat16") if choice.dtype == "bfloat16" else ("float32",)
+        bandwidth = in_own_thread(precision.read_bandwidth)
         rows = []
         for dtype in dtypes:
-            size = weight_bytes(path, dtype)
+            size = in_own_thread(weight_bytes, path, dtype)
             for batch in (8, 16):
                 times = {"bare": in_own_thread(bare, path, dtype, batch, steps)}
                 for label, options in OPTIONS.items():

@@ -7,6 +7,8 @@ prompt and reward; --quick: the tiny model), a few steps, no eval or checkpoints
 process; the rows compare steady s/step (steps 2..N) and the trainer process's peak RSS:
   in-process, eta 0       synchronous: generation and training take turns on all cores
   in-process, eta 1       the default: the engine's thread generates the next batch meanwhile
+  ..., not hosted         the engine's thread decodes while the trainer waits too, instead of
+                          the trainer's (`--inference.no-hosted`; `LocalEngine.hosted`)
   ..., engine 1 thread    the same with the engine's thread in an OpenMP pool of 1 thread
                           (`--inference.threads 1`; the trainer keeps all cores)
   own process, eta 1      `areal-flow serve`, both processes with OMP_NUM_THREADS = all cores
@@ -31,7 +33,10 @@ CPUS = str(os.cpu_count())
 SERVER = ["--inference.backend", "sglang", "--inference.server-program", "areal-flow"]
 CONFIGS = {  # name -> (recipe options, OMP_NUM_THREADS)
     "in-process, eta 0": (["--rollout.max-staleness", "0"], CPUS),
+    "in-process, eta 0, not hosted": (["--rollout.max-staleness", "0", "--inference.no-hosted"],
+                                      CPUS),
     "in-process, eta 1": ([], CPUS),
+    "in-process, eta 1, not hosted": (["--inference.no-hosted"], CPUS),
     "in-process, eta 0, engine 1 thread": (["--rollout.max-staleness", "0",
                                             "--inference.threads", "1"], CPUS),
     "in-process, eta 1, engine 1 thread": (["--inference.threads", "1"], CPUS),

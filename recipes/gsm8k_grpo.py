@@ -127,7 +127,8 @@ def main(cfg: Config) -> None:
                 began = time.perf_counter()
                 # rank 0 rolls out (the others get None); a stop or a rollout error while it
                 # waits ends the run here, on every rank, after a checkpoint of where it stands
-                batch = gsm8k_rl.next_batch(scheduler, stop, cfg.rollout.batch_timeout)
+                batch = gsm8k_rl.next_batch(scheduler, stop, cfg.rollout.batch_timeout,
+                                             host=cfg.inference.hosted)
                 if (halt := gsm8k_rl.halt(batch)) is not None:
                     if not run.has_checkpoint(step):
                         run.save_checkpoint(step, trainer, critic=critic, tokenizer_from=model,

@@ -143,3 +143,31 @@ def test_grpo_learns_from_bf16_rollouts_with_the_correction_auto_chooses(world, 
         # bf16's rounding was there to correct (fp32's differs by reduction order only)
         assert (mismatch > 1e-4) == (dtype == "bfloat16"), mismatch
     assert area["bfloat16"] >= area["float32"] - 0.05, area
+
+
+@pytest.mark.parametrize("host", [True, False])
+def test_the_trainer_thread_decodes_while_it_waits_for_its_batch(tiny_model_dir, host):
+    """`next_batch` hosts an in-process engine's steps (LocalEngine.hosted): they run on the
+    waiting thread, and the engine thread steps only while the trainer is away."""
+    import threading
+
+    from areal_flow.gsm8k_rl import next_batch
+    from areal_flow.run import StopRequest
+
+    engine = LocalEngine(tiny_model_dir, seed=0)
+    stepped: list[str] = []
+    engine.on_step = lambda e: stepped.append(threading.current_thread().name)
+    scheduler = RolloutScheduler(
+        pool=engine, workflow="tests.target_fraction", dataset=[{"id": i} for i in range(8)],
+        tokenizer=AutoTokenizer.from_pretrained(tiny_model_dir), score=unused,
+        config=RolloutConfig(batch_size=2, group_size=2, max_staleness=0),
+        sampling=SamplingParams(max_new_tokens=24, ignore_eos=True), seed=0)
+    try:
+        with scheduler, StopRequest() as stop:
+            batch = next_batch(scheduler, stop, timeout=60, host=host)
+    finally:
+        engine.close()
+    assert batch["rewards"].shape == (4,)
+    caller = threading.current_thread().name
+    assert stepped.count(caller) >= (20 if host else 0)  # nearly a step per token
+    assert (caller in stepped) == host

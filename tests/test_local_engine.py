@@ -840,3 +840,63 @@ def test_aborting_one_request_leaves_the_first_one_running(tiny_model_dir):
         assert first.future.result(timeout=60).finish_reason == "length"
     finally:
         engine.close()
+
+
+def host_until_done(engine, seqs, *, steps_before_leaving: int | None = None) -> list[str]:
+    """Run the engine's steps on this thread until `seqs` finish (or, with
+    `steps_before_leaving`, leave after that many steps); the names of the threads that
+    stepped."""
+    stepped: list[str] = []
+    engine.on_step = lambda e: stepped.append(threading.current_thread().name)
+    with engine.hosted() as hosted:
+        assert hosted is engine and not engine._thread.is_alive()  # one stepping thread
+        while not all(s.future.done() for s in seqs):
+            if steps_before_leaving is not None and len(stepped) >= steps_before_leaving:
+                break
+            engine.step(timeout=0.01)
+    engine.on_step = None
+    return stepped
+
+
+def test_hosted_steps_run_on_the_caller_and_generate_what_the_engine_thread_does(engine):
+    reqs = [*group(list(range(30, 60)), 3, temperature=1.0, max_new_tokens=12),
+            request([5, 6, 7], temperature=0.0, max_new_tokens=9, ignore_eos=True)]
+    expected = generate_together(engine, reqs)
+    engine.pause()
+    seqs = [engine.submit(r) for r in reqs]
+    engine.resume()
+    stepped = host_until_done(engine, seqs)
+    assert set(stepped) == {threading.current_thread().name} and len(stepped) >= 11
+    assert_same_generations([s.future.result(timeout=0) for s in seqs], expected)
+    assert engine._thread.is_alive()  # the engine thread steps again after
+    assert generate_together(engine, reqs[:1])[0].token_ids == expected[0].token_ids
+
+
+def test_requests_left_running_by_a_host_finish_on_the_engine_thread(engine):
+    reqs = group(list(range(30, 50)), 2, temperature=1.0, max_new_tokens=20)
+    expected = generate_together(engine, reqs)
+    engine.pause()
+    seqs = [engine.submit(r) for r in reqs]
+    engine.resume()
+    stepped = host_until_done(engine, seqs, steps_before_leaving=5)
+    assert len(stepped) == 5 and not any(s.future.done() for s in seqs)
+    assert_same_generations([s.future.result(timeout=60) for s in seqs], expected)
+
+
+def test_an_abort_from_another_thread_ends_a_hosted_request(engine):
+    seq = engine.submit(request(list(range(20, 40)), temperature=1.0, max_new_tokens=500,
+                                ignore_eos=True, seed=1))
+    threading.Timer(0.2, engine.abort, args=(seq.request.rid,)).start()
+    host_until_done(engine, [seq])
+    out = seq.future.result(timeout=0)
+    assert out.finish_reason == "abort" and 0 < len(out.token_ids) < 500
+
+
+def test_steps_are_hosted_by_one_caller_at_a_time(engine):
+    with pytest.raises(RuntimeError, match="within LocalEngine.hosted"):
+        engine.step(timeout=0)
+    with engine.hosted():
+        with pytest.raises(RuntimeError, match="hosted by another caller"):
+            with engine.hosted():
+                pass
+    assert engine._thread.is_alive()

@@ -20,7 +20,7 @@ def test_auto_takes_bf16_only_where_it_is_clearly_faster(monkeypatch, tiny_model
                                                          expected):
     seen = []
 
-    def seconds(shape, device, budget=0.3):
+    def seconds(shape, device, budget=0.3, packed=False):
         seen.append(shape)
         return {"float32": fp32, "bfloat16": bf16}
 
@@ -37,15 +37,35 @@ def test_auto_takes_bf16_only_where_it_is_clearly_faster(monkeypatch, tiny_model
 
 def test_a_process_measures_each_shape_once_and_decode_probes_its_own_rows(monkeypatch,
                                                                            tiny_model_dir):
+    from areal_flow.inference import packed_weights
+
     calls = []
-    monkeypatch.setattr(precision, "_seconds", lambda shape, device, budget=0.3: calls.append(
-        shape) or {"float32": 1e-3, "bfloat16": 1e-3})
+    monkeypatch.setattr(precision, "_seconds", lambda shape, device, budget=0.3, packed=False:
+                        calls.append((shape, packed)) or {"float32": 1e-3, "bfloat16": 1e-3})
     monkeypatch.setattr(precision, "_measured", {})
     for _ in range(3):
         choose("auto", tiny_model_dir, purpose="train")
     choose("auto", tiny_model_dir, purpose="decode")
-    # decode multiplies its 16 rows by one weight per layer (2 in the tiny model): read, not cached
-    assert calls == [(256, 96, 192, 1), (16, 96, 192, 2)]
+    # decode multiplies its 16 rows by one weight per layer (2 in the tiny model): read, not
+    # cached; its bf16 weights packed as the engine packs them, where it does
+    packs = packed_weights.available(torch.bfloat16, torch.device("cpu"))
+    assert calls == [((256, 96, 192, 1), False), ((16, 96, 192, 2), packs)]
+
+
+@pytest.mark.skipif(not precision._packable(torch.device("cpu")),
+                    reason="this CPU's oneDNN has no bf16 kernels: the engine packs nothing")
+def test_the_decode_probe_reads_bf16_weights_packed_as_the_engine_does(monkeypatch):
+    """Unpacked, a bf16 product re-lays its weight out on every call: the probe then took bf16
+    for slower than fp32 on a CPU where the engine's packed bf16 decodes twice as fast."""
+    from areal_flow.inference import packed_weights
+
+    packed = []
+    real = packed_weights.linear
+    monkeypatch.setattr(packed_weights, "linear",
+                        lambda weight, bias=None: packed.append(weight) or real(weight, bias))
+    seconds = precision._seconds((16, 96, 192, 3), torch.device("cpu"), packed=True)
+    assert [(w.dtype, tuple(w.shape)) for w in packed] == [(torch.bfloat16, (192, 96))] * 3
+    assert set(seconds) == {"float32", "bfloat16"} and min(seconds.values()) > 0
 
 
 def test_a_given_dtype_or_a_gpu_is_never_measured(monkeypatch, tiny_model_dir):
@@ -73,8 +93,8 @@ def test_a_large_models_probe_is_capped(monkeypatch, tmp_path):
     LlamaConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
                 num_hidden_layers=32).save_pretrained(tmp_path)
     shapes = []
-    monkeypatch.setattr(precision, "_seconds", lambda shape, device, budget=0.3: shapes.append(
-        shape) or {"float32": 1e-3, "bfloat16": 1e-3})
+    monkeypatch.setattr(precision, "_seconds", lambda shape, device, budget=0.3, packed=False:
+                        shapes.append(shape) or {"float32": 1e-3, "bfloat16": 1e-3})
     monkeypatch.setattr(precision, "_measured", {})
     choose("auto", tmp_path, purpose="train")
     choose("auto", tmp_path, purpose="decode")
@@ -101,7 +121,7 @@ def test_the_recorded_config_holds_the_choices_not_auto(monkeypatch, tiny_model_
     from areal_flow.config import InferenceConfig
     from areal_flow.runtime.engine import TrainConfig
 
-    monkeypatch.setattr(precision, "_seconds", lambda shape, device, budget=0.3:
+    monkeypatch.setattr(precision, "_seconds", lambda shape, device, budget=0.3, packed=False:
                         {"float32": 4e-3, "bfloat16": 1e-3})
     monkeypatch.setattr(precision, "_measured", {})
 
@@ -119,7 +139,7 @@ def test_the_recorded_config_holds_the_choices_not_auto(monkeypatch, tiny_model_
 
 
 def test_the_mfu_denominator_is_the_probes_rate_in_the_dtype_in_use(monkeypatch, tiny_model_dir):
-    monkeypatch.setattr(precision, "_seconds", lambda shape, device, budget=0.3:
+    monkeypatch.setattr(precision, "_seconds", lambda shape, device, budget=0.3, packed=False:
                         {"float32": 4e-3, "bfloat16": 1e-3})
     monkeypatch.setattr(precision, "_measured", {})
     flops = 2 * 256 * 96 * 192
@@ -159,7 +179,7 @@ def test_the_recorded_config_holds_the_mismatch_correction_the_precisions_chose(
     from areal_flow.config import InferenceConfig
     from areal_flow.runtime.engine import TrainConfig
 
-    monkeypatch.setattr(precision, "_seconds", lambda shape, device, budget=0.3:
+    monkeypatch.setattr(precision, "_seconds", lambda shape, device, budget=0.3, packed=False:
                         {"float32": 4e-3, "bfloat16": 1e-3})
     monkeypatch.setattr(precision, "_measured", {})
 

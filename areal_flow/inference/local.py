@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import ctypes
 import threading
 import time
@@ -188,7 +189,9 @@ class LocalEngine:
         self._paused = False
         self._idle = True
         self._closing = False
-        # Owned by the engine thread only:
+        self._hosted = False
+        """Whether a caller runs the steps (`hosted`), not the engine thread."""
+        # Owned by the thread that steps (the engine thread, or the caller within `hosted`):
         self._running: list[_Sequence] = []
         self._kv = KVBatch(self.model.config, slots=kv_slots)
         self._totals = _Counters()
@@ -426,41 +429,91 @@ class LocalEngine:
                 _settle(seq.future, RuntimeError("the local engine was closed"))
             self._waiting.clear()
 
+    @contextlib.contextmanager
+    def hosted(self):
+        """Within: the engine's steps run on the calling thread, one per `step` call, instead of
+        on the engine thread (which ends, and starts again after). For a thread that would only
+        wait for the engine meanwhile, e.g. a trainer waiting for its batch.
+
+        Why: torch's OpenMP runtime (libgomp) keeps a team of threads per thread that computes,
+        for as long as that thread lives, and while more team threads exist than CPUs it lets
+        none of them spin between parallel regions: each of a decode step's ~250 regions then
+        waits for its helper to wake. The trainer's thread keeps its team, so the engine thread
+        decoded on a throttled team (1.6-1.8x slower in bf16 on 2 CPUs; benchmarks/decode.py's
+        "hosted" rows). Hosted, the steps run on the trainer's own team, and the engine
+        thread's team ends with it.
+        """
+        with self._cv:
+            if self._hosted:
+                raise RuntimeError("the local engine's steps are hosted by another caller already")
+            self._hosted = True
+            self._cv.notify_all()
+        self._thread.join()  # after the step it is in, if any
+        try:
+            yield self
+        finally:
+            with self._cv:
+                self._hosted = False
+                if not self._closing:
+                    self._thread = threading.Thread(target=self._loop, name="local-engine",
+                                                    daemon=True)
+                    self._thread.start()
+
+    def step(self, timeout: float) -> None:
+        """One engine step on the calling thread, within `hosted()`; waits up to `timeout`
+        seconds for work when there is none."""
+        if not self._hosted:
+            raise RuntimeError("LocalEngine.step runs only within LocalEngine.hosted()")
+        self._step(timeout, background=False)
+
     # -- the engine thread --------------------------------------------------------------
 
     def _loop(self) -> None:
+        """The engine thread: steps until the engine closes or a caller hosts the steps."""
         if self.threads is not None:
             _set_thread_pool_size(self.threads)
-        while True:
-            with self._cv:
+        while self._step(timeout=None, background=True):
+            pass
+
+    def _step(self, timeout: float | None, background: bool) -> bool:
+        """One step on the calling thread: admit and prefill what waits, then decode. Waits up
+        to `timeout` (None: for ever) for work first. False when the thread should stop: the
+        engine closes, or (the engine thread) a caller hosts the steps."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            self._drain_aborts_locked()
+            if self._paused and self._running:
+                self._interrupt_locked()
+            while not self._closing and not (background and self._hosted) and (
+                    self._paused or not (self._waiting or self._running)):
+                self._idle = True
+                self._cv.notify_all()
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return True
+                self._cv.wait(remaining)
                 self._drain_aborts_locked()
-                if self._paused and self._running:
-                    self._interrupt_locked()
-                while not self._closing and (self._paused or not (self._waiting or self._running)):
-                    self._idle = True
-                    self._cv.notify_all()
-                    self._cv.wait()
-                    self._drain_aborts_locked()
-                if self._closing:
-                    self._idle = True
-                    self._cv.notify_all()
-                    return
-                self._idle = False
-                room = self.max_batch_size - len(self._running)
-                admitted = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
-            try:
-                with torch.inference_mode():
-                    if admitted:
-                        self._prefill(admitted)
-                    if self._running:
-                        self._decode()
-                if self.on_step is not None:
-                    self.on_step(self)
-            except Exception as exc:  # fail the affected requests instead of hanging them
-                for seq in [*admitted, *self._running]:
-                    _settle(seq.future, exc)
-                self._running = []
-                self._kv.clear()
+            if self._closing or (background and self._hosted):
+                self._idle = True
+                self._cv.notify_all()
+                return False
+            self._idle = False
+            room = self.max_batch_size - len(self._running)
+            admitted = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
+        try:
+            with torch.inference_mode():
+                if admitted:
+                    self._prefill(admitted)
+                if self._running:
+                    self._decode()
+            if self.on_step is not None:
+                self.on_step(self)
+        except Exception as exc:  # fail the affected requests instead of hanging them
+            for seq in [*admitted, *self._running]:
+                _settle(seq.future, exc)
+            self._running = []
+            self._kv.clear()
+        return True
 
     def _interrupt_locked(self) -> None:
         self._totals.interruptions += len(self._running)

@@ -33,7 +33,8 @@ def pack(model: torch.nn.Module) -> int:
     packed = 0
     for module in model.modules():
         if type(module) is torch.nn.Linear and module.weight.dtype == torch.bfloat16:
-            module.forward = _packed_forward(module)
+            module.forward = linear(module.weight.detach(),
+                                    None if module.bias is None else module.bias.detach())
             packed += 1
     return packed
 
@@ -45,9 +46,9 @@ def unpack(model: torch.nn.Module) -> None:
             module.__dict__.pop("forward", None)
 
 
-def _packed_forward(module: torch.nn.Linear):
-    weight = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), BATCH_HINT)
-    bias = None if module.bias is None else module.bias.detach()
+def linear(weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """`F.linear(x, weight, bias)` reading a packed copy of `weight` (out, in), made now."""
+    weight = torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")

@@ -6,18 +6,23 @@ than fp32, on an AVX2-only EPYC 150x slower (emulated), and AVX-512 without BF16
 size by its MLP width — in both dtypes and takes bf16 where it is clearly faster: with the rows of a training
 micro-batch for training (compute-bound), and for the generation engine with the rows of a
 decode batch against one such weight per layer, so that, as in decoding, the weights are read
-from memory rather than cache. On a GPU it is bf16 without measuring. A process measures
+from memory rather than cache, and in bf16 read as the engine reads them: prepacked for oneDNN
+where it packs (`inference/packed_weights.py`; unpacked, a bf16 product re-lays its weight
+out on every call and ran 1.6x slower than fp32 on an AMX CPU where the engine's packed bf16
+decodes 2x faster than fp32). On a GPU it is bf16 without measuring. A process measures
 each shape once; the whole probe stays under a second even where bf16 is emulated.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
 from typing import Any, Literal
 
 import attrs
 import torch
+import torch.nn.functional as F
 
 from areal_flow.config import PolicyLossConfig
 
@@ -112,32 +117,48 @@ def _probe(model: str | Path, purpose: str,
     k, n = min(hidden, WIDEST), min(width, WIDEST)
     layers = getattr(config, "num_hidden_layers", 1) if purpose == "decode" else 1
     shape = (ROWS[purpose], k, n, max(1, min(layers, DECODE_BYTES // (4 * k * n))))
-    key = (str(device), shape)
+    packed = purpose == "decode" and _packable(device)
+    key = (str(device), shape, packed)
     if key not in _measured:
-        _measured[key] = _seconds(shape, device)
+        _measured[key] = _seconds(shape, device, packed=packed)
     return shape, _measured[key]
 
 
-def _seconds(shape: tuple[int, int, int, int], device: torch.device,
-             budget: float = 0.2) -> dict[str, float]:
-    """Each dtype's fastest pass of `shape` (the rows times each weight). The dtypes take turns,
-    so load from other work slows both alike, until `budget` seconds are spent; a dtype whose
-    warm-up alone exceeds it (emulated bf16) is timed by that one call."""
+def _packable(device: torch.device) -> bool:
+    from areal_flow.inference import packed_weights
+
+    return packed_weights.available(torch.bfloat16, device)
+
+
+def _seconds(shape: tuple[int, int, int, int], device: torch.device, budget: float = 0.2,
+             packed: bool = False) -> dict[str, float]:
+    """Each dtype's fastest pass of `shape` (the rows times each weight; with `packed`, bf16
+    weights prepacked as the engine's linear layers read them). The dtypes take turns, so load
+    from other work slows both alike, until `budget` seconds are spent; a dtype whose warm-up
+    alone exceeds it (emulated bf16) is timed by that one call."""
+    from areal_flow.inference import packed_weights
+
     m, k, n, count = shape
     # the values do not change a GEMM's speed; filling is faster than drawing 100 MB at random
     x = torch.full((m, k), 0.01)
-    weights = [torch.full((k, n), 0.01) for _ in range(count)]
-    operands = {name: (x.to(device, getattr(torch, name)),
-                       [w.to(device, getattr(torch, name)) for w in weights]) for name in DTYPES}
+    weights = [torch.full((n, k), 0.01) for _ in range(count)]  # (out, in), as nn.Linear's
+    products = {}
+    for name in DTYPES:
+        dtype = getattr(torch, name)
+        a, ws = x.to(device, dtype), [w.to(device, dtype) for w in weights]
+        if packed and name == "bfloat16":
+            products[name] = (a, [packed_weights.linear(w) for w in ws])
+        else:
+            products[name] = (a, [functools.partial(F.linear, weight=w) for w in ws])
     del weights
     sync = SYNCHRONIZE.get(device.type, lambda: None)
 
     def timed(name: str) -> float:
-        a, ws = operands[name]
+        a, layers = products[name]
         sync()
         start = time.perf_counter()
-        for w in ws:
-            a @ w
+        for layer in layers:
+            layer(a)
         sync()
         return time.perf_counter() - start
 
