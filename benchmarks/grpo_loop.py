@@ -79,8 +79,10 @@ def areal_flow_worker(p: dict, eta: int) -> dict:
     from areal_flow.algorithms.grpo import GRPO, GRPOConfig
     from areal_flow.config import (InferenceConfig, OptimizerConfig, PolicyLossConfig,
                                    RolloutConfig)
+    from areal_flow.gsm8k_rl import next_batch
     from areal_flow.inference.local import LocalEngine
     from areal_flow.reward.runner import RewardRunner
+    from areal_flow.run import StopRequest
     from areal_flow.rollout.scheduler import RolloutScheduler
     from areal_flow.runtime.distributed import shutdown_distributed
     from areal_flow.runtime.engine import TrainConfig, TrainEngine
@@ -92,10 +94,11 @@ def areal_flow_worker(p: dict, eta: int) -> dict:
     tiny = p["name"] == "tiny"
     batch_rows = p["prompts"] * p["group"]
     # as the recipe builds it
+    dtype = p.get("precision", "float32")  # "auto": the recipe's default, measured here
     engine = LocalEngine.from_config(
-        InferenceConfig(dtype="float32", max_batch_size=64, threads=p.get("engine_threads")),
+        InferenceConfig(dtype=dtype, max_batch_size=64, threads=p.get("engine_threads")),
         model=p["model"], seed=p["seed"])
-    trainer = TrainEngine(p["model"], TrainConfig(optim=OptimizerConfig(lr=p["lr"]), dtype="float32"))
+    trainer = TrainEngine(p["model"], TrainConfig(optim=OptimizerConfig(lr=p["lr"]), dtype=dtype))
     # one optimizer step per batch: the version-based proximal logprobs are exact (the recipe's
     # choice), so no forward pass recomputes them; TRL skips that forward in this setting too
     algorithm = GRPO(GRPOConfig(loss=PolicyLossConfig(recompute_proximal=False)))
@@ -133,7 +136,11 @@ def areal_flow_worker(p: dict, eta: int) -> dict:
             stamps.append(time.perf_counter())
             for step in range(p["steps"]):
                 began = time.perf_counter()
-                batch = scheduler.prepare_batch(timeout=600)
+                # as the recipe waits: the engine's steps run on this thread meanwhile
+                with StopRequest() as stop:
+                    batch = next_batch(scheduler, stop, 600)
+                if isinstance(batch, BaseException):
+                    raise batch
                 rolled = time.perf_counter()
                 trainer.train(batch, algorithm)
                 trained = time.perf_counter()
@@ -163,7 +170,9 @@ def areal_flow_worker(p: dict, eta: int) -> dict:
         shutdown_distributed()
     assert all(s["rows"] == batch_rows for s in steps), steps
     return {"load_s": loaded - started, "step_s": steady(stamps), "steps": steps,
-            "wall_s": stamps[-1] - stamps[0], "torch_threads": torch.get_num_threads()}
+            "wall_s": stamps[-1] - stamps[0], "torch_threads": torch.get_num_threads(),
+            "precision": {"inference": engine.precision.describe(),
+                          "train": trainer.precision.describe()}}
 
 
 def launch(script: str, spec: dict, tmp: Path) -> dict:

@@ -3,10 +3,14 @@
 Same model, data, prompt order, prompts per step, group size, max new tokens, temperature 1.0,
 learning rate (constant, AdamW, grad-norm clip 1.0), steps; no KL; one optimizer step per batch,
 with no extra forward pass for old logprobs in either; token-level loss (TRL's "dapo" = areal_flow's
-"token" aggregation); group mean/std advantages; fp32 weights for generation and training.
+"token" aggregation); group mean/std advantages. Precision: SmolLM2 runs both sides in fp32 and
+both in bf16 (TRL's `bf16=True` autocast; areal_flow's bf16 engine and bf16 training with fp32
+master weights), and areal_flow once more in its own default, each precision measured at start
+(`runtime/precision.py`): that row compares with TRL's faster row. The tiny model runs fp32.
 The problems are grpo_loop.py's: the tiny model (--quick and full; EOS never ends a completion:
 areal_flow ignore_eos, TRL min_new_tokens) and SmolLM2-135M on GSM8K (full only, 3 steps).
-areal_flow runs synchronously (max_staleness 0) and asynchronously (max_staleness 1). Each run is
+areal_flow runs synchronously (max_staleness 0) and asynchronously (max_staleness 1), waiting for
+its batches as the recipe does (the engine's steps on the waiting thread). Each run is
 its own subprocess, one after the other. s/step is the mean wall time of steps 2..N (model loading
 and the first step are left out); samples/s = completions per step / s/step; ratio = areal_flow
 samples/s / TRL samples/s; reward first→last = mean batch reward of the first and last k steps.
@@ -119,7 +123,8 @@ def trl_worker(p: dict) -> dict:
             beta=0.0, loss_type="dapo", scale_rewards="group", epsilon=0.2,
             learning_rate=p["lr"], lr_scheduler_type="constant", warmup_steps=0,
             weight_decay=0.0, max_grad_norm=1.0, optim="adamw_torch",
-            bf16=False, fp16=False, gradient_checkpointing=False, use_vllm=False,
+            bf16=p.get("precision") == "bfloat16", fp16=False, gradient_checkpointing=False,
+            use_vllm=False,
             shuffle_dataset=False, report_to=[], logging_steps=1, save_strategy="no",
             disable_tqdm=True, dataloader_num_workers=0)
         clock = Clock()
@@ -145,12 +150,29 @@ def worker(spec: dict) -> dict:
 # -- the benchmark ---------------------------------------------------------------------------------
 
 
+RUNS = {  # label -> worker spec; TRL in fp32 and with its bf16 autocast (`--bf16`)
+    "trl": {"framework": "trl", "precision": "float32"},
+    "trl --bf16": {"framework": "trl", "precision": "bfloat16"},
+    "areal_flow sync": {"framework": "areal_flow", "eta": 0, "precision": "float32"},
+    "areal_flow async (eta=1)": {"framework": "areal_flow", "eta": 1, "precision": "float32"},
+    "areal_flow sync, bf16": {"framework": "areal_flow", "eta": 0, "precision": "bfloat16"},
+    "areal_flow async (eta=1), bf16": {"framework": "areal_flow", "eta": 1,
+                                       "precision": "bfloat16"},
+    # the recipe's default: each precision measured at start (runtime/precision.py)
+    "areal_flow async (eta=1), own precision": {"framework": "areal_flow", "eta": 1,
+                                                "precision": "auto"},
+}
+
+
 def add_ratios(rows: list[dict]) -> list[dict]:
-    """Each row against the TRL row of its model: samples/s, and completion tokens/s (EOS ends
-    GSM8K completions at different lengths in the two runs, so samples are not equal work)."""
-    trl = {r["model"]: r for r in rows if r["framework"] == "trl"}
+    """Each row against TRL's row of its precision (own precision: TRL's faster one):
+    samples/s, and completion tokens/s (EOS ends GSM8K completions at different lengths in the
+    two runs, so samples are not equal work)."""
+    trl = {r["precision"]: r for r in rows if r["framework"].startswith("trl")}
+    fastest = max(trl.values(), key=lambda r: r["samples_per_s"])
     for r in rows:
-        base = trl[r["model"]]
+        base = trl.get(r["precision"], fastest)
+        r["baseline"] = base["framework"]
         r["ratio_vs_trl"] = r["samples_per_s"] / base["samples_per_s"]
         r["token_ratio_vs_trl"] = r["completion_tokens_per_s"] / base["completion_tokens_per_s"]
     return rows
@@ -169,15 +191,16 @@ def run(quick: bool = False) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         for problem in problems(quick, tmp, smollm2_steps=3, default_shape=True):
-            runs = {"trl": {"framework": "trl"},
-                    "areal_flow sync": {"framework": "areal_flow", "eta": 0},
-                    "areal_flow async (eta=1)": {"framework": "areal_flow", "eta": 1}}
-            results = {}
+            runs = RUNS if problem["name"] != "tiny" else {
+                label: spec for label, spec in RUNS.items() if spec["precision"] == "float32"}
+            results = []
             for label, spec in runs.items():
-                key = f"{problem['name']}-{label.split(' (')[0].replace(' ', '-')}"
-                results[label] = summarize(
-                    problem, label, launch(__file__, {**spec, "key": key, "problem": problem}, tmp))
-            rows += add_ratios(list(results.values()))
+                key = f"{problem['name']}-{label.split(' (')[0].replace(' ', '-')}-{spec['precision']}"
+                case = {**problem, "precision": spec["precision"]}
+                result = launch(__file__, {**spec, "key": key, "problem": case}, tmp)
+                results.append({**summarize(case, label, result), "precision": spec["precision"],
+                                "chosen": result.get("precision")})
+            rows += add_ratios(results)
     return {"benchmark": "trl_grpo", "rows": rows,
             "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                          "trl": trl.__version__},
@@ -191,11 +214,12 @@ def show(result: dict) -> None:
           f"{result['cpus']} CPUs); s/step over steps 2..N\n")
     print(markdown_table(
         ["model", "framework", "s/step", "samples/s", "completion tok/s", "reward first→last",
-         "ratio vs TRL (samples/s)", "ratio vs TRL (tok/s)"],
+         "vs", "ratio vs TRL (samples/s)", "ratio vs TRL (tok/s)"],
         [[problem_label(r), r["framework"],
           f"{r['s_per_step']:.2f}", f"{r['samples_per_s']:.2f}",
           f"{r['completion_tokens_per_s']:.1f}",
-          f"{r['reward_first']:.3f}→{r['reward_last']:.3f}", f"{r['ratio_vs_trl']:.2f}x",
+          f"{r['reward_first']:.3f}→{r['reward_last']:.3f}", r["baseline"],
+          f"{r['ratio_vs_trl']:.2f}x",
           f"{r['token_ratio_vs_trl']:.2f}x"] for r in result["rows"]]))
 
 
