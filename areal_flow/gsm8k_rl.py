@@ -5,6 +5,7 @@ task; each brings its own default reward, whose `metrics` the panel shows."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import itertools
@@ -404,20 +405,28 @@ STOPPED = "stopped"
 """What `next_batch` returns when a stop was requested while it waited."""
 
 
+@contextlib.contextmanager
+def hosting(pool: Any, host: bool = True):
+    """Yields the in-process engine whose steps this thread runs meanwhile (`LocalEngine.hosted`:
+    on its own thread it would decode on a throttled OpenMP team), or None: another pool, or
+    `host` off."""
+    if host and isinstance(pool, LocalEngine):
+        with pool.hosted() as engine:
+            yield engine
+    else:
+        yield None
+
+
 def next_batch(scheduler: RolloutScheduler | None, stop: StopRequest, timeout: float,
                host: bool = True):
     """Rank 0: the next batch; the error that stopped the rollout (a RolloutError when no batch
     came in `timeout` seconds); or STOPPED when Ctrl-C/SIGTERM came while it waited. Other
-    ranks: None. `halt` tells every rank which it was.
-
-    With `host`, an in-process engine decodes on this thread while it waits
-    (`LocalEngine.hosted`: the engine thread would decode on a throttled OpenMP team)."""
+    ranks: None. `halt` tells every rank which it was. An in-process engine decodes on this
+    thread while it waits (`hosting`)."""
     if scheduler is None:
         return None
     deadline = time.monotonic() + timeout
-    hosting = scheduler.pool.hosted() if host and isinstance(scheduler.pool, LocalEngine) \
-        else contextlib.nullcontext()
-    with hosting as engine:
+    with hosting(scheduler.pool, host) as engine:
         while not stop.requested:  # wait in short slices, so a stop request is seen within one
             try:
                 return scheduler.prepare_batch(timeout=0.0 if engine else min(
@@ -453,7 +462,13 @@ def evaluate(cfg: RLConfig, scheduler: RolloutScheduler, rows: list[dict]) -> di
     if not rows:
         return {}
     greedy = attrs.evolve(cfg.sampling, temperature=0.0)
-    episodes = [ep for group in scheduler.rollout_batch(rows, sampling=greedy) for ep in group]
+    # the rollout waits on a helper thread, so that this one can run the engine's steps
+    with hosting(scheduler.pool, cfg.inference.hosted) as engine, \
+            concurrent.futures.ThreadPoolExecutor(1) as helper:
+        pending = helper.submit(scheduler.rollout_batch, rows, sampling=greedy)
+        while engine and not pending.done():
+            engine.step(timeout=0.01)
+        episodes = [ep for group in pending.result() for ep in group]
     n = len(rows)  # a row whose episode kept failing counts as a 0
     out = {"eval/reward": sum(ep.reward for ep in episodes) / n,
            "eval/response_length": sum(sum(ep.loss_mask) for ep in episodes) / n}

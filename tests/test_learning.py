@@ -147,11 +147,12 @@ def test_grpo_learns_from_bf16_rollouts_with_the_correction_auto_chooses(world, 
 
 @pytest.mark.parametrize("host", [True, False])
 def test_the_trainer_thread_decodes_while_it_waits_for_its_batch(tiny_model_dir, host):
-    """`next_batch` hosts an in-process engine's steps (LocalEngine.hosted): they run on the
-    waiting thread, and the engine thread steps only while the trainer is away."""
+    """`next_batch` and `evaluate` host an in-process engine's steps (LocalEngine.hosted): they
+    run on the waiting thread, and the engine thread steps only while the trainer is away."""
     import threading
 
-    from areal_flow.gsm8k_rl import next_batch
+    from areal_flow.config import InferenceConfig
+    from areal_flow.gsm8k_rl import RLConfig, evaluate, next_batch
     from areal_flow.run import StopRequest
 
     engine = LocalEngine(tiny_model_dir, seed=0)
@@ -165,9 +166,16 @@ def test_the_trainer_thread_decodes_while_it_waits_for_its_batch(tiny_model_dir,
     try:
         with scheduler, StopRequest() as stop:
             batch = next_batch(scheduler, stop, timeout=60, host=host)
+            training, stepped[:] = list(stepped), []
+            rows = [{"id": i} for i in range(3)]
+            cfg = RLConfig(eval_size=3, inference=InferenceConfig(hosted=host),
+                           sampling=SamplingParams(max_new_tokens=24, ignore_eos=True))
+            evaluated = evaluate(cfg, scheduler, rows)
     finally:
         engine.close()
-    assert batch["rewards"].shape == (4,)
+    assert batch["rewards"].shape == (4,) and 0 <= evaluated["eval/reward"] <= 1
     caller = threading.current_thread().name
-    assert stepped.count(caller) >= (20 if host else 0)  # nearly a step per token
+    assert training.count(caller) >= (20 if host else 0)  # nearly a step per token
+    assert (caller in training) == host
+    assert stepped.count(caller) >= (20 if host else 0)  # the evaluation's steps
     assert (caller in stepped) == host
