@@ -524,6 +524,16 @@ def batch_metrics(cfg: RLConfig, batch, scheduler: RolloutScheduler) -> dict[str
     return out
 
 
+def memory_parts(trainer: Any, pool: Any) -> dict[str, float]:
+    """memory/<part>_gb: the known parts of this rank's memory — the policy's weights, the
+    gradients an update allocates, the optimizer's state, an in-process engine's own copies.
+    The rest of memory/peak_rss_gb is activations, the runtime and its libraries."""
+    out = {f"memory/{part}_gb": gb for part, gb in trainer.memory_gb().items()}
+    if isinstance(pool, LocalEngine):
+        out["memory/engine_gb"] = pool.memory_gb()
+    return out
+
+
 def component_stats(**components: Any) -> dict[str, float]:
     """Every component's `stats()` under its name: rollout/..., pool/..., reward_runner/..."""
     return {f"{name}/{key}": float(value) for name, component in components.items()

@@ -153,6 +153,7 @@ def main(cfg: Config) -> None:
                     failure, sync = error, {}
                 if rank == 0:
                     metrics = {**gsm8k_rl.batch_metrics(cfg, batch, scheduler), **stats, **sync,
+                               **gsm8k_rl.memory_parts(trainer, pool),
                                "seconds/rollout_wait": rolled - began,
                                "seconds/train": trained - rolled,
                                **gsm8k_rl.component_stats(rollout=scheduler, pool=pool,

@@ -347,3 +347,35 @@ def test_a_run_folder_checkpoint_is_marked_whole_pruned_and_resumes_policy_and_c
         want, got = saved.full_state_dict(), loaded.full_state_dict()
         assert want.keys() == got.keys()
         assert all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_the_memory_parts_are_the_weights_gradients_moments_and_the_engines_copies(
+        world, tiny_model_dir):
+    """memory/*_gb of the recipe's metrics (gsm8k_rl.memory_parts): counted from the tensors
+    themselves, so a part that grows (a second copy, moments in fp32) shows."""
+    from areal_flow.gsm8k_rl import memory_parts
+
+    trainer = engine(tiny_model_dir)
+    params = sum(p.numel() for p in trainer.model.parameters()) * 4 / 2**30  # fp32 master
+    pool = LocalEngine(tiny_model_dir, dtype="float32")
+    try:
+        parts = memory_parts(trainer, pool)
+        assert parts["memory/weights_gb"] == pytest.approx(params)
+        assert parts["memory/gradients_gb"] == pytest.approx(params)  # every weight is trained
+        assert parts["memory/optimizer_gb"] == 0  # AdamW makes its moments at the first step
+        assert parts["memory/engine_gb"] == pytest.approx(pool.weight_bytes / 2**30)  # a copy
+        trainer.train(fixed_batch(trainer.model.config.vocab_size), TokenNLL())
+        trainer.sync_weights(pool, 1)  # the engine now reads the trainer's own tensors
+        parts = memory_parts(trainer, pool)
+        assert parts["memory/optimizer_gb"] == pytest.approx(2 * params)  # two moments
+        assert parts["memory/engine_gb"] == 0
+    finally:
+        pool.close()
+    bf16 = LocalEngine(tiny_model_dir, dtype="bfloat16")
+    try:  # with packing, the linear layers' packed copies on top of its own weights
+        linears = sum(m.weight.numel() * 2 for m in bf16.model.modules()
+                      if type(m) is torch.nn.Linear) / 2**30
+        assert bf16.memory_gb() == pytest.approx(
+            bf16.weight_bytes / 2**30 + (linears if bf16.pack_weights else 0))
+    finally:
+        bf16.close()

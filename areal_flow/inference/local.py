@@ -394,6 +394,14 @@ class LocalEngine:
                 {k: t.clone() for k, t in self.model.state_dict().items()}, assign=True)
             self._shared = False
 
+    def memory_gb(self) -> float:
+        """What the engine's weights hold beyond the trainer's, in GB: its own copy (nothing
+        when it reads the trainer's tensors, `live` updates) and the packed copies its linear
+        layers read (`packed_weights`)."""
+        packed = sum(m.weight.numel() * m.weight.element_size() for m in self.model.modules()
+                     if type(m) is torch.nn.Linear and "forward" in m.__dict__)
+        return ((0 if self._shared else self.weight_bytes) + packed) / 2**30
+
     def stats(self) -> dict[str, float]:
         """Counters since the last call, plus current queue sizes."""
         # The engine thread only ever increments `_totals`; reporting differences of snapshots

@@ -212,6 +212,22 @@ class TrainEngine:
             self.model.reshard()
         return TensorDict({"logprobs": logprobs, "values": values}, batch_size=[rows])
 
+    def memory_gb(self) -> dict[str, float]:
+        """What this rank's training state holds, in GB: its weights (the master copy), the
+        gradients an update allocates for the trained ones (as large as they are), and the
+        optimizer's state (AdamW: two moments)."""
+        def local(t: torch.Tensor) -> int:  # a DTensor's own shard
+            t = getattr(t, "_local_tensor", t)
+            return t.numel() * t.element_size()
+
+        params = list(self.model.parameters())
+        state = [] if self.optimizer is None else [
+            t for s in self.optimizer.state.values() for t in s.values()
+            if isinstance(t, torch.Tensor) and t.dim() > 0]  # not the step counters
+        return {"weights": sum(map(local, params)) / 2**30,
+                "gradients": sum(local(q) for q in params if q.requires_grad) / 2**30,
+                "optimizer": sum(map(local, state)) / 2**30}
+
     def mfu(self, tokens: int, seconds: float) -> float:
         """Model FLOPs utilisation of a step that trained `tokens` tokens in `seconds`: 6 FLOPs
         per parameter and token (forward and backward; attention not counted) over the GEMM

@@ -142,14 +142,13 @@ def _seconds(shape: tuple[int, int, int, int], device: torch.device, budget: flo
     # the values do not change a GEMM's speed; filling is faster than drawing 100 MB at random
     x = torch.full((m, k), 0.01)
     weights = [torch.full((n, k), 0.01) for _ in range(count)]  # (out, in), as nn.Linear's
-    products = {}
-    for name in DTYPES:
-        dtype = getattr(torch, name)
-        a, ws = x.to(device, dtype), [w.to(device, dtype) for w in weights]
-        if packed and name == "bfloat16":
-            products[name] = (a, [packed_weights.linear(w) for w in ws])
-        else:
-            products[name] = (a, [functools.partial(F.linear, weight=w) for w in ws])
+    products = {name: (x.to(device, getattr(torch, name)),
+                       [functools.partial(F.linear, weight=w.to(device, getattr(torch, name)))
+                        for w in weights]) for name in DTYPES}
+    if packed:  # bf16 as the engine's linear layers read it
+        a, _ = products["bfloat16"]
+        products["bfloat16"] = (a, [packed_weights.linear(w.to(device, torch.bfloat16))
+                                    for w in weights])
     del weights
     sync = SYNCHRONIZE.get(device.type, lambda: None)
 
