@@ -175,7 +175,7 @@ def run(plan: dict[str, Any], console: Any = None) -> dict[str, Any]:
 
     from areal_flow.reward.runner import RewardRunner
     from areal_flow.rollout.scheduler import RolloutScheduler
-    from areal_flow.run import peak_rss_gb
+    from areal_flow.process_memory import peak_rss_gb
 
     cfg, rl, rows, out = plan["cfg"], plan["rl"], plan["rows"], plan["out"]
     console = console or Console()

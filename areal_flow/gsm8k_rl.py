@@ -36,7 +36,8 @@ from areal_flow.algorithms.grpo import GRPOConfig
 from areal_flow.data import reasoning_gym
 from areal_flow.inference.local import LocalEngine
 from areal_flow.rollout.scheduler import RolloutError, RolloutScheduler
-from areal_flow.run import RunConfig, StopRequest, peak_rss_gb, tree_rss_gb
+from areal_flow.process_memory import peak_rss_gb, tree_rss_gb
+from areal_flow.run import RunConfig, StopRequest
 from areal_flow.runtime.engine import TrainConfig
 from areal_flow.types import SamplingParams
 from areal_flow.workflow.rlvr import RLVRConfig

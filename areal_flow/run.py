@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import resource
 import shutil
 import signal
 import threading
@@ -335,31 +334,6 @@ def checkpoint_damage(path: Path) -> str | None:
             if digest != saved["sha256"]:
                 return f"{name} differs from what was saved (its SHA-256 changed)"
     return None
-
-
-def tree_rss_gb() -> float:
-    """Resident memory of this process and every process below it (reward workers, launched
-    servers) now, in GB, from Linux's /proc (this process's peak elsewhere)."""
-    page, total, todo, seen = os.sysconf("SC_PAGE_SIZE"), 0, [os.getpid()], set()
-    while todo:
-        pid = todo.pop()
-        if pid in seen:
-            continue
-        seen.add(pid)
-        try:
-            total += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * page
-            for task in Path(f"/proc/{pid}/task").iterdir():
-                todo += [int(c) for c in (task / "children").read_text().split()]
-        except (OSError, ValueError):  # gone meanwhile, or no /proc
-            if pid == os.getpid():
-                return peak_rss_gb()
-    return total / 2**30
-
-
-def peak_rss_gb() -> float:
-    """This process's peak resident memory so far, in GB (launched servers and reward workers
-    are other processes)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
 class StopRequest:

@@ -30,7 +30,8 @@ from areal_flow.algorithms.dpo import DPO, DPOConfig, partners, sequence_lograti
 from areal_flow.config import OptimizerConfig
 from areal_flow.data import offline
 from areal_flow.data.preference import collate_pairs, gsm8k_format_pairs, pair_from_row
-from areal_flow.run import LiveDisplay, RunConfig, RunDir, StopRequest, peak_rss_gb
+from areal_flow.process_memory import peak_rss_gb
+from areal_flow.run import LiveDisplay, RunConfig, RunDir, StopRequest
 from areal_flow.runtime.distributed import (any_rank, exit_process, init_distributed,
                                             same_on_all_ranks, shutdown_distributed)
 from areal_flow.runtime import precision

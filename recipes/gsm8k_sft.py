@@ -28,7 +28,8 @@ from areal_flow.algorithms.sft import SFT, SFTConfig
 from areal_flow.config import OptimizerConfig
 from areal_flow.data import offline
 from areal_flow.data.sft import collate_sft
-from areal_flow.run import LiveDisplay, RunConfig, RunDir, StopRequest, peak_rss_gb
+from areal_flow.process_memory import peak_rss_gb
+from areal_flow.run import LiveDisplay, RunConfig, RunDir, StopRequest
 from areal_flow.runtime.distributed import (any_rank, exit_process, init_distributed,
                                             same_on_all_ranks, shutdown_distributed)
 from areal_flow.runtime import precision

@@ -319,7 +319,7 @@ def test_run_config_checks_what_it_can_before_anything_starts():
 
 
 def test_peak_rss_is_the_kernels_high_water_mark_in_gb():
-    from areal_flow.run import peak_rss_gb
+    from areal_flow.process_memory import peak_rss_gb
 
     status = dict(line.split(":", 1) for line in open("/proc/self/status"))
     high_water_kb = int(status["VmHWM"].split()[0])
@@ -544,7 +544,7 @@ def test_the_tree_memory_counts_the_processes_a_run_started():
     import sys
     import time
 
-    from areal_flow.run import tree_rss_gb
+    from areal_flow.process_memory import tree_rss_gb
 
     before = tree_rss_gb()
     grandchild = ("import subprocess, sys, time; x = b'x' * (200 * 2**20); "

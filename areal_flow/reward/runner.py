@@ -26,7 +26,6 @@ import logging
 import math
 import numbers
 import os
-import resource
 import signal
 import threading
 import time
@@ -45,6 +44,7 @@ from typing import Any
 from pebble import ProcessExpired, ProcessPool
 
 import areal_flow
+from areal_flow.process_memory import peak_rss_gb, rss_bytes
 from areal_flow.registry import SPEC_ATTR, rewards
 from areal_flow.types import RewardSpec, RunEndingError
 
@@ -85,11 +85,11 @@ def _call_in_worker(path: str, package: str, args: tuple, kwargs: dict) -> Any:
 
 
 def worker_rss() -> int:
-    """This process's resident bytes now (Linux's /proc; else its peak, from getrusage)."""
+    """This process's resident bytes now (Linux's /proc; else its peak)."""
     try:
-        return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        return rss_bytes()
     except (OSError, ValueError):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return int(peak_rss_gb() * 2**30)
 
 
 class _WorkerPopen(popen_forkserver.Popen):
