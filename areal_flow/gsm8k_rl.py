@@ -474,7 +474,7 @@ def evaluate(cfg: RLConfig, scheduler: RolloutScheduler, rows: list[dict]) -> di
             concurrent.futures.ThreadPoolExecutor(1) as helper:
         pending = helper.submit(scheduler.rollout_batch, rows, sampling=greedy)
         while engine and not pending.done():
-            engine.step(timeout=0.01)
+            engine.step(timeout=HOST_WAIT)
         episodes = [ep for group in pending.result() for ep in group]
     n = len(rows)  # a row whose episode kept failing counts as a 0
     out = {"eval/reward": sum(ep.reward for ep in episodes) / n,

@@ -17,6 +17,7 @@ averages gradients over ranks). The update therefore does not depend on how the 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from collections import defaultdict
@@ -300,36 +301,44 @@ class TrainEngine:
         unit, the row for `sequences`; a constant is unchanged. The step is the same as without
         skipping (tests/test_engine_steps.py)."""
         self.optimizer.zero_grad(set_to_none=True)
-        units: set[str] = set()
-        sums: dict[str, float] = defaultdict(float)
         moves = mini["advantages"].ne(0).any(-1) if skip_zero_advantage and \
             mini.batch_size[0] else torch.ones(mini.batch_size[0], dtype=torch.bool)
         idle, mini = mini[~moves], mini[moves]
-        plan = self._plan(mini)
+        with self._gathered_through_step() as hold:
+            return self._accumulate(mini, idle, loss_fn, entropy, hold)
+
+    @contextlib.contextmanager
+    def _gathered_through_step(self):
+        """Yields whether FSDP2 keeps the weights it gathers until the step's last backward
+        (`TrainConfig.keep_unsharded`: one bf16 process), which then reduces the gradients;
+        after the step they are sharded again, as the weight sync reads them."""
         hold = self.config.keep_unsharded and self.sharded and self.world_size == 1
-        if hold:
-            self._hold_unsharded(True)
+        if not hold:
+            yield False
+            return
+        self.model.set_reshard_after_forward(False)
+        self.model.set_reshard_after_backward(False)
+        self.model.set_requires_gradient_sync(False)
         try:
-            return self._accumulate(mini, idle, plan, loss_fn, entropy, hold, units, sums)
+            yield True
         finally:
-            if hold:
-                self._hold_unsharded(False)
-                self.model.reshard()
+            self.model.set_reshard_after_forward(True)
+            self.model.set_reshard_after_backward(True)
+            self.model.set_requires_gradient_sync(True)
+            self.model.reshard()
 
-    def _hold_unsharded(self, hold: bool) -> None:
-        """FSDP2 keeps (True) or frees (False) the gathered parameters between passes, and
-        reduces gradients only when not holding."""
-        self.model.set_reshard_after_forward(not hold)
-        self.model.set_reshard_after_backward(not hold)
-        self.model.set_requires_gradient_sync(not hold)
-
-    def _accumulate(self, mini, idle, plan, loss_fn, entropy, hold, units, sums):
+    def _accumulate(self, mini: TensorDict, idle: TensorDict, loss_fn, entropy: EntropyMode,
+                    hold: bool) -> dict[str, float]:
+        """`_step`'s micro-batches, gradient clipping and optimizer step."""
         loss_sum = summed = peak = 0.0
         count = tokens = 0
+        units: set[str] = set()
+        sums: dict[str, float] = defaultdict(float)
         if idle.batch_size[0]:
             result = loss_fn(ModelOutput(logprobs=idle["logprobs"]), idle)
             summed, peak = float(result.normalizer), float(result.normalizer)
             units.add(result.unit)
+        plan = self._plan(mini)
         for i, mb_rows in enumerate(plan):
             if hold and i == len(plan) - 1:  # its backward reduces the step's gradients
                 self.model.set_requires_gradient_sync(True)
