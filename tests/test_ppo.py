@@ -14,6 +14,7 @@ from tensordict import TensorDict
 
 from areal_flow.algorithms.grpo import GRPO, GRPOConfig
 from areal_flow.algorithms.ppo import PPO, PPOConfig
+from areal_flow.algorithms.reinforce_pp import ReinforcePP, ReinforcePPConfig
 from areal_flow.config import OptimizerConfig, PolicyLossConfig
 from areal_flow.runtime.engine import TrainConfig, TrainEngine
 from tests.dist_train_script import fixed_batch
@@ -129,6 +130,33 @@ def test_grpo_kl_in_the_advantage_is_centred_in_the_group_and_not_rescaled(
         for t, m in enumerate(mask):
             assert out["advantages"][i, t].item() == pytest.approx(
                 expected if m else 0.0, rel=1e-3, abs=1e-3)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: GRPO(GRPOConfig(kl_coef=0.3, kl_in_reward=True,
+                            loss=PolicyLossConfig(recompute_proximal=True))),
+    lambda: PPO(PPOConfig(kl_coef=0.3, loss=PolicyLossConfig(recompute_proximal=True))),
+    lambda: ReinforcePP(ReinforcePPConfig(kl_coef=0.3,
+                                          loss=PolicyLossConfig(recompute_proximal=True))),
+], ids=["grpo", "ppo", "reinforce_pp"])
+def test_the_kl_penalty_of_the_advantages_is_of_the_recomputed_proximal_policy(make):
+    """With the actor's forward (`prox_logprobs`), the KL penalty in the reward is of π_prox:
+    the advantages are those of a batch whose behavior log-probs were π_prox, whatever the
+    behavior log-probs are."""
+    algorithm = make()
+    assert algorithm.roles[0] == "actor" and "ref" in algorithm.roles
+    g = torch.Generator().manual_seed(0)
+    mask = torch.tensor([[1, 1, 1, 0], [0, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
+    prox, ref = -torch.rand(4, 4, generator=g), -torch.rand(4, 4, generator=g)
+    batch = TensorDict({"group_ids": torch.tensor([0, 0, 1, 1]),
+                        "rewards": torch.tensor([1.0, 0.0, 0.5, 0.5]), "loss_mask": mask,
+                        "values": torch.rand(4, 4, generator=g), "ref_logprobs": ref},
+                       batch_size=[4])
+    behaving = batch.clone().update({"logprobs": prox})
+    recomputed = batch.clone().update({"logprobs": prox - 1.5, "prox_logprobs": prox})
+    expected = algorithm.advantages(behaving)["advantages"]
+    assert expected.abs().max() > 0.05
+    torch.testing.assert_close(algorithm.advantages(recomputed)["advantages"], expected)
 
 
 @pytest.fixture(scope="module")

@@ -64,15 +64,14 @@ class OnPolicyDistillation:
 
     def __init__(self, config: DistillConfig | None = None):
         self.config = config or DistillConfig()
-        self.roles = (("actor",) if self.config.loss.recompute_proximal else ()) + ("teacher",)
+        self.roles = F.roles(self.config.loss, "teacher")
         # the task reward is scored against the rest of the group; alone, it would be 0
         self.min_group_size = 2 if self.config.task_weight > 0 else 1
 
     def advantages(self, batch):
         c = self.config
         mask = batch["loss_mask"]
-        old = batch["prox_logprobs"] if "prox_logprobs" in batch.keys() else batch["logprobs"]
-        kl = F.masked(old, mask) - F.masked(batch["teacher_logprobs"], mask)
+        kl = F.masked(F.old_logprobs(batch), mask) - F.masked(batch["teacher_logprobs"], mask)
         # −Σ_{s≥t} γ^(s−t) k_s over the row's later model tokens: GAE with V = 0 and λ = 1
         adv = -F.gae(kl, torch.zeros_like(kl), mask, gamma=c.kl_discount)[0]
         if c.task_weight > 0:
@@ -92,5 +91,4 @@ class OnPolicyDistillation:
             weight, _ = F.importance_weight(prox, behav, self.config.loss.importance_weight_cap)
             kl = weight * torch.exp(logp - prox) * (logp - F.masked(mb["teacher_logprobs"], mask))
             stats["distill/reverse_kl"] = F.masked(kl, mask).sum() / mask.sum().clamp(min=1)
-        loss_sum, normalizer, unit = F.AGGREGATIONS[self.config.loss.aggregation](per_token, mask)
-        return LossOutput(loss_sum=loss_sum, normalizer=normalizer, unit=unit, stats=stats)
+        return F.aggregate(per_token, mask, self.config.loss.aggregation, stats)

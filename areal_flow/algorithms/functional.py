@@ -119,6 +119,27 @@ def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
 KL_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
 
 
+def old_logprobs(batch) -> Tensor:
+    """log π_old of the advantages: the proximal log-probs where the actor's forward recomputed
+    them (the `actor` role), else the behavior log-probs from generation."""
+    return batch["prox_logprobs"] if "prox_logprobs" in batch.keys() else batch["logprobs"]
+
+
+def reference_kl(batch, estimator: str) -> Tensor:
+    """The per-token KL estimate `estimator` (`KL_ESTIMATORS`) of π_old against π_ref
+    (`batch["ref_logprobs"]`, the `ref` role's forward), 0 on pads: the penalty of a reward."""
+    mask = batch["loss_mask"]
+    return KL_ESTIMATORS[estimator](masked(old_logprobs(batch), mask),
+                                    masked(batch["ref_logprobs"], mask))
+
+
+def roles(loss, *others: str) -> tuple[str, ...]:
+    """An algorithm's role forwards before its advantages: the actor's own (π_prox) when
+    `loss.recompute_proximal` (a `PolicyLossConfig`) asks for it, then `others` (critic, ref,
+    teacher)."""
+    return (("actor",) if loss.recompute_proximal else ()) + others
+
+
 def kl_loss(logp: Tensor, ref_logp: Tensor, prox_logp: Tensor, weight: Tensor) -> Tensor:
     """Per-token KL(π_θ‖π_ref) term for the loss, on tokens sampled by π_behav:
         L_KL = w · ρ · k3,   ρ = π_θ / π_prox (with gradient),   w = π_prox / π_behav (without)
@@ -351,8 +372,6 @@ def actor_loss(out, mb, config):
     `kl_estimator` says: that one is for the reward), minus the entropy bonus, aggregated as
     `config.loss.aggregation` says. `config` has `loss`, `kl_coef`, `kl_estimator`,
     `kl_in_reward` and `entropy_coef` (`GRPOConfig`, `PPOConfig`)."""
-    from areal_flow.types import LossOutput
-
     mask = mb["loss_mask"]
     n = mask.sum().clamp(min=1)
     per_token, stats = decoupled_policy_loss(out.logprobs, mb, config.loss)
@@ -367,8 +386,14 @@ def actor_loss(out, mb, config):
         per_token = per_token + entropy_bonus(entropy, config.entropy_coef)
     if entropy is not None:
         stats["entropy"] = entropy.detach().sum() / n
-    loss_sum, normalizer, unit = AGGREGATIONS[config.loss.aggregation](per_token, mask)
-    return LossOutput(loss_sum=loss_sum, normalizer=normalizer, unit=unit, stats=stats)
+    return aggregate(per_token, mask, config.loss.aggregation, stats)
+
+
+def actor_loss_skips_zero_advantage(config) -> bool:
+    """Whether `actor_loss` and its gradient are 0 on a row whose advantages are all 0 (the
+    runtime then gives it no forward: `skips_zero_advantage_rows`): neither a KL term in the
+    loss nor an entropy bonus."""
+    return (config.kl_coef == 0 or config.kl_in_reward) and config.entropy_coef == 0
 
 
 def whiten(values: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
@@ -404,6 +429,14 @@ def sequence_level(per_token: Tensor, mask: Tensor) -> tuple[Tensor, float, str]
 
 AGGREGATIONS = {"token": token_level, "sequence": sequence_level}
 """(loss_sum, normalizer, unit) of a per-token loss, by `PolicyLossConfig.aggregation`."""
+
+
+def aggregate(per_token: Tensor, mask: Tensor, aggregation: str, stats: dict):
+    """The `LossOutput` of a per-token loss, aggregated as `aggregation` (`AGGREGATIONS`)."""
+    from areal_flow.types import LossOutput
+
+    loss_sum, normalizer, unit = AGGREGATIONS[aggregation](per_token, mask)
+    return LossOutput(loss_sum=loss_sum, normalizer=normalizer, unit=unit, stats=stats)
 
 
 def overlong_penalty(lengths: Tensor, *, max_length: int, cache: int,

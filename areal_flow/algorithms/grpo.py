@@ -57,13 +57,10 @@ class GRPO:
 
     def __init__(self, config: GRPOConfig | None = None):
         self.config = config or GRPOConfig()
-        self.roles = (("actor",) if self.config.loss.recompute_proximal else ()) + \
-            (("ref",) if self.config.kl_coef > 0 else ())
         c = self.config
+        self.roles = F.roles(c.loss, *(("ref",) if c.kl_coef > 0 else ()))
         self.needs_entropy_grad = c.entropy_coef > 0
-        # a row with A = 0 adds nothing unless a KL or entropy term is in the loss
-        self.skips_zero_advantage_rows = (c.kl_coef == 0 or c.kl_in_reward) and \
-            c.entropy_coef == 0
+        self.skips_zero_advantage_rows = F.actor_loss_skips_zero_advantage(c)
 
     def advantages(self, batch):
         c = self.config
@@ -73,9 +70,7 @@ class GRPO:
         if c.kl_coef > 0 and c.kl_in_reward:
             # centred in the group like the reward, but not divided by the reward's std: β means
             # the same whatever the group's reward spread (and as in the loss, next to A ~ 1)
-            old = batch["prox_logprobs"] if "prox_logprobs" in batch.keys() else batch["logprobs"]
-            kl = F.KL_ESTIMATORS[c.kl_estimator](F.masked(old, mask),
-                                                 F.masked(batch["ref_logprobs"], mask))
+            kl = F.reference_kl(batch, c.kl_estimator)
             adv = adv - c.kl_coef * F.group_advantages(kl.sum(-1), groups, std_normalize=False,
                                                        leave_one_out=c.leave_one_out)
         batch["advantages"] = adv[:, None] * mask

@@ -61,22 +61,17 @@ class PPOConfig:
 class PPO:
     def __init__(self, config: PPOConfig | None = None):
         self.config = config or PPOConfig()
-        self.roles = (("actor",) if self.config.loss.recompute_proximal else ()) + \
-            ("critic",) + (("ref",) if self.config.kl_coef > 0 else ())
         c = self.config
+        self.roles = F.roles(c.loss, "critic", *(("ref",) if c.kl_coef > 0 else ()))
         self.needs_entropy_grad = c.entropy_coef > 0
-        self.skips_zero_advantage_rows = (c.kl_coef == 0 or c.kl_in_reward) and \
-            c.entropy_coef == 0
+        self.skips_zero_advantage_rows = F.actor_loss_skips_zero_advantage(c)
 
     def advantages(self, batch):
         c = self.config
         mask = batch["loss_mask"]
         rewards = F.final_token_rewards(batch["rewards"], mask)
         if c.kl_coef > 0 and c.kl_in_reward:
-            old = batch["prox_logprobs"] if "prox_logprobs" in batch.keys() else batch["logprobs"]
-            kl = F.KL_ESTIMATORS[c.kl_estimator](F.masked(old, mask),
-                                                 F.masked(batch["ref_logprobs"], mask))
-            rewards = rewards - c.kl_coef * kl
+            rewards = rewards - c.kl_coef * F.reference_kl(batch, c.kl_estimator)
         values = F.masked(batch["values"], mask)
         last_values = None
         if c.bootstrap_truncated:
@@ -102,7 +97,6 @@ class PPO:
         mask = mb["loss_mask"]
         old, returns = mb["values"], mb["returns"]
         per_token = F.clipped_value_loss(out.values, old, returns, self.config.value_clip)
-        loss_sum, normalizer, unit = F.token_level(per_token, mask)
         n = mask.sum().clamp(min=1)
         moved = (out.values.detach() - old).abs() > self.config.value_clip
         stats = {
@@ -111,4 +105,4 @@ class PPO:
             "return_mean": (returns * mask).sum() / n,
             "value_clip_fraction": (moved & mask).sum() / n,
         }
-        return LossOutput(loss_sum=loss_sum, normalizer=normalizer, unit=unit, stats=stats)
+        return F.aggregate(per_token, mask, "token", stats)

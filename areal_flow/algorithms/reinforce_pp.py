@@ -55,8 +55,7 @@ class ReinforcePP:
 
     def __init__(self, config: ReinforcePPConfig | None = None):
         self.config = c = config or ReinforcePPConfig()
-        self.roles = (("actor",) if c.loss.recompute_proximal else ()) + \
-            (("ref",) if c.kl_coef > 0 else ())
+        self.roles = F.roles(c.loss, *(("ref",) if c.kl_coef > 0 else ()))
         self.min_group_size = 2 if c.baseline == "group_mean" else 1
 
     def advantages(self, batch):
@@ -66,10 +65,7 @@ class ReinforcePP:
             rewards = F.group_advantages(rewards, batch["group_ids"], std_normalize=False)
         per_token = F.final_token_rewards(rewards, mask)
         if c.kl_coef > 0:
-            old = batch["prox_logprobs"] if "prox_logprobs" in batch.keys() else batch["logprobs"]
-            kl = F.KL_ESTIMATORS[c.kl_estimator](F.masked(old, mask),
-                                                 F.masked(batch["ref_logprobs"], mask))
-            per_token = per_token - c.kl_coef * F.masked(kl, mask)
+            per_token = per_token - c.kl_coef * F.reference_kl(batch, c.kl_estimator)
         returns, _ = F.gae(per_token, torch.zeros(mask.shape), mask, gamma=c.gamma, lam=1.0)
         live = returns[mask]
         flat = live.numel() == 0 or bool(live.max() == live.min())  # rounding, not signal
@@ -84,5 +80,4 @@ class ReinforcePP:
             kl = F.KL_ESTIMATORS[c.kl_estimator](F.masked(out.logprobs.detach(), mask),
                                                  F.masked(mb["ref_logprobs"], mask))
             stats["kl_ref"] = F.masked(kl, mask).sum() / mask.sum().clamp(min=1)
-        loss_sum, normalizer, unit = F.AGGREGATIONS[c.loss.aggregation](per_token, mask)
-        return LossOutput(loss_sum=loss_sum, normalizer=normalizer, unit=unit, stats=stats)
+        return F.aggregate(per_token, mask, c.loss.aggregation, stats)
