@@ -22,6 +22,7 @@ from typing import Annotated, Any, NoReturn, TypeVar
 
 import attrs
 import torch
+import torch.distributed as dist
 import tyro
 import yaml
 from attrs import validators as v
@@ -38,6 +39,7 @@ from areal_flow.inference.local import LocalEngine
 from areal_flow.rollout.scheduler import RolloutError, RolloutScheduler
 from areal_flow.process_memory import peak_rss_gb, tree_rss_gb
 from areal_flow.run import RunConfig, StopRequest
+from areal_flow.runtime.distributed import same_on_all_ranks
 from areal_flow.runtime.engine import TrainConfig
 from areal_flow.types import SamplingParams
 from areal_flow.workflow.rlvr import RLVRConfig
@@ -274,7 +276,6 @@ def load_data(cfg: RLConfig, model: str, rank: int,
     workflow's options name (`check_fields`), before any rank loads weights; a bad --model or
     --dataset fails on every rank with rank 0's error. Other ranks get empty rows."""
     from areal_flow.data import offline
-    from areal_flow.runtime.distributed import same_on_all_ranks
 
     rows, error = ([], [], ""), None
     if rank == 0:
@@ -402,8 +403,39 @@ def workflow_config(cfg: RLConfig) -> Any:
     return config
 
 
-STOPPED = "stopped"
-"""What `next_batch` returns when a stop was requested while it waited."""
+def panel_columns(cfg: RLConfig, *, critic: bool, teacher: bool) -> dict[str, str]:
+    """The live panel's columns of an RL run (`LiveDisplay`): metric key -> label."""
+    # |log pi_train - log pi_rollout|: shown where a correction acts on it (a plugin's
+    # algorithm may have no policy loss config)
+    corrected = getattr(getattr(cfg.algorithm, "loss", None), "mismatch_correction",
+                        "none") != "none"
+    return {"reward/mean": "reward", "task_metrics": "",  # the task's own, e.g. accuracy
+            "reward/flat_group_fraction": "flat groups", "response_length/mean": "length",
+            **({"critic/value_loss": "value loss"} if critic else {}),
+            **({"distill/reverse_kl": "reverse KL"} if teacher else {}),
+            **({"mismatch/abs_log_ratio_mean": "mismatch"} if corrected else {}),
+            "eval/reward": "eval reward", "eval/task_metrics": "eval ",
+            "reward_runner/failure_rate": "reward fails", "tokens_per_second": "tok/s",
+            "perf/mfu": "MFU", "perf/decode_mbu": "decode MBU",
+            "staleness/mean": "staleness", "seconds/step": "s/step"}
+
+
+@attrs.frozen
+class BatchWait:
+    """What the batch wait (`next_batch`) gave this rank: rank 0's batch, or why the step cannot
+    start; `halted` is the same on every rank."""
+
+    batch: Any = None
+    """Rank 0's batch (a TensorDict; `train` scatters it); None on other ranks."""
+    stopped: bool = False
+    """A stop request (Ctrl-C, SIGTERM) came while it waited."""
+    failure: BaseException | None = None
+    """Why no batch came: rank 0's rollout error (a RolloutError when none came in time); on
+    other ranks a RuntimeError naming it."""
+
+    @property
+    def halted(self) -> bool:
+        return self.stopped or self.failure is not None
 
 
 HOST_WAIT = 0.002
@@ -425,42 +457,42 @@ def hosting(pool: Any, host: bool = True):
 
 
 def next_batch(scheduler: RolloutScheduler | None, stop: StopRequest, timeout: float,
-               host: bool = True):
-    """Rank 0: the next batch; the error that stopped the rollout (a RolloutError when no batch
-    came in `timeout` seconds); or STOPPED when Ctrl-C/SIGTERM came while it waited. Other
-    ranks: None. `halt` tells every rank which it was. An in-process engine decodes on this
-    thread while it waits (`hosting`)."""
-    if scheduler is None:
-        return None
+               host: bool = True) -> BatchWait:
+    """Every rank: rank 0's next batch (the other ranks pass no scheduler), or why there is none:
+    a stop request while it waited, or the rollout's error (a RolloutError when no batch came in
+    `timeout` seconds); with a process group every rank learns which. An in-process engine
+    decodes on this thread while it waits (`hosting`)."""
+    wait = _wait_for_batch(scheduler, stop, timeout, host) if scheduler is not None \
+        else BatchWait()
+    if not dist.is_initialized():
+        return wait
+    why = same_on_all_ranks("stopped" if wait.stopped else None if wait.failure is None
+                            else f"{type(wait.failure).__name__}: {wait.failure}")
+    if scheduler is not None or why is None:
+        return wait
+    return BatchWait(stopped=True) if why == "stopped" else \
+        BatchWait(failure=RuntimeError(f"rank 0's rollout: {why}"))
+
+
+def _wait_for_batch(scheduler: RolloutScheduler, stop: StopRequest, timeout: float,
+                    host: bool) -> BatchWait:
     deadline = time.monotonic() + timeout
     with hosting(scheduler.pool, host) as engine:
         while not stop.requested:  # wait in short slices, so a stop request is seen within one
             try:
-                return scheduler.prepare_batch(timeout=0.0 if engine else min(
-                    1.0, max(deadline - time.monotonic(), 0)))
+                return BatchWait(batch=scheduler.prepare_batch(timeout=0.0 if engine else min(
+                    1.0, max(deadline - time.monotonic(), 0))))
             except TimeoutError:
                 if time.monotonic() >= deadline:
-                    return RolloutError(
+                    return BatchWait(failure=RolloutError(
                         f"no batch in {timeout:g} s (--rollout.batch-timeout): no server could "
                         f"serve, or every workflow hung; the rollout's counters: "
-                        f"{scheduler.stats()}")
+                        f"{scheduler.stats()}"))
                 if engine:
                     engine.step(timeout=HOST_WAIT)  # or wait that long for requests to come
             except Exception as error:  # noqa: BLE001 - raised by the recipe, after a checkpoint
-                return error
-    return STOPPED
-
-
-def halt(batch) -> str | None:
-    """The same on every rank: None to train on `batch`, STOPPED, or rank 0's rollout error."""
-    from areal_flow.runtime.distributed import same_on_all_ranks
-
-    reason = None
-    if batch is STOPPED:
-        reason = STOPPED
-    elif isinstance(batch, BaseException):
-        reason = f"{type(batch).__name__}: {batch}"
-    return same_on_all_ranks(reason)
+                return BatchWait(failure=error)
+    return BatchWait(stopped=True)
 
 
 def evaluate(cfg: RLConfig, scheduler: RolloutScheduler, rows: list[dict]) -> dict[str, float]:

@@ -138,9 +138,10 @@ def areal_flow_worker(p: dict, eta: int) -> dict:
                 began = time.perf_counter()
                 # as the recipe waits: the engine's steps run on this thread meanwhile
                 with StopRequest() as stop:
-                    batch = next_batch(scheduler, stop, 600)
-                if isinstance(batch, BaseException):
-                    raise batch
+                    wait = next_batch(scheduler, stop, 600)
+                if wait.halted:
+                    raise wait.failure or KeyboardInterrupt()
+                batch = wait.batch
                 rolled = time.perf_counter()
                 trainer.train(batch, algorithm)
                 trained = time.perf_counter()

@@ -31,11 +31,11 @@ from areal_flow.config import OptimizerConfig
 from areal_flow.data import offline
 from areal_flow.data.preference import collate_pairs, gsm8k_format_pairs, pair_from_row
 from areal_flow.process_memory import peak_rss_gb
-from areal_flow.run import LiveDisplay, RunConfig, RunDir, StopRequest
-from areal_flow.runtime.distributed import (any_rank, exit_process, init_distributed,
-                                            same_on_all_ranks, shutdown_distributed)
+from areal_flow.run import RunConfig
+from areal_flow.runtime.distributed import exit_process
 from areal_flow.runtime import precision
 from areal_flow.runtime.engine import TrainConfig, TrainEngine
+from areal_flow.session import Session
 from gsm8k_sft import batch_indices  # the script's folder is on sys.path
 
 
@@ -64,72 +64,48 @@ class Config(RunConfig):
 
 
 def main(cfg: Config) -> None:
-    rank, world, _ = init_distributed()
     # every rank reads the rows: each evaluates its own share of the held-out pairs; a row
     # without the pair's fields is refused here, before any model loads
     train_pairs, eval_pairs, data_note = preference_pairs(cfg)
-    run = RunDir(same_on_all_ranks(cfg.run_dir or RunDir.default_path("dpo")),
-                 resume=cfg.resume, keep_checkpoints=cfg.keep_checkpoints, lock=rank == 0)
-    dist.barrier()  # every rank has checked the folder before rank 0 writes into it
-    model = same_on_all_ranks(
-        cfg.model or (str(offline.packaged_smollm2()) if rank == 0 else None))
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    eval_batch = collate_pairs(tokenizer, eval_pairs[rank::world]) if eval_pairs else None
-    algorithm = DPO(cfg.algorithm)
-    trainer = TrainEngine(model, cfg.train)
-    ref = trainer.reference(model)  # the initial weights, also on resume (LoRA: its base)
-    start, _ = run.load_checkpoint(trainer) if cfg.resume else (0, None)
-    cfg, measured = precision.measured(cfg, model, ("train", trainer))
-    # the reference never changes: its held-out log-probs are computed once
-    eval_ref = ref.forward(eval_batch)["logprobs"] if eval_batch is not None else None
+    with Session(cfg, "dpo") as session:  # ranks, run folder, model, checkpoints, panel
+        rank, world = session.rank, session.world
+        tokenizer = AutoTokenizer.from_pretrained(session.model)
+        eval_batch = collate_pairs(tokenizer, eval_pairs[rank::world]) if eval_pairs else None
+        algorithm = DPO(cfg.algorithm)
+        trainer = TrainEngine(session.model, cfg.train)
+        # the initial weights, also on resume (LoRA: its base)
+        ref = trainer.reference(session.model)
+        session.resume(trainer)
+        cfg, measured = precision.measured(cfg, session.model, ("train", trainer))
+        # the reference never changes: its held-out log-probs are computed once
+        eval_ref = ref.forward(eval_batch)["logprobs"] if eval_batch is not None else None
+        session.show(cfg, note=data_note, measured=measured, columns={
+            "loss": "loss", "rewards/margin": "margin", "rewards/accuracy": "acc",
+            "eval/margin": "eval margin", "eval/accuracy": "eval acc",
+            "tokens_per_second": "tok/s", "seconds/step": "s/step"})
 
-    display = LiveDisplay(cfg.steps, start, enabled=rank == 0, columns={
-        "loss": "loss", "rewards/margin": "margin", "rewards/accuracy": "acc",
-        "eval/margin": "eval margin", "eval/accuracy": "eval acc",
-        "tokens_per_second": "tok/s", "seconds/step": "s/step"})
-    if rank == 0:
-        run.truncate_after(start)
-        display.print(f"[bold]dpo[/] run folder {run.path} · model {model} · "
-                      f"{world} training rank(s)\n{data_note}")
-        run.write_config(cfg, measured)
-        run.start_loggers(cfg.logger, cfg, start)
-
-    try:
-        with StopRequest() as stop, display:
-            if start == 0 and eval_pairs:
-                scores = heldout(algorithm, trainer, eval_batch, eval_ref)
-                run.log_metrics(0, scores) if rank == 0 else None
-            for step in range(start, cfg.steps):
-                began = time.perf_counter()
-                batch = None
-                if rank == 0:  # train() scatters rank 0's batch (whole pairs) to every rank
-                    batch = collate_pairs(tokenizer, [train_pairs[i] for i in
-                                                      batch_indices(step, cfg, len(train_pairs))])
-                stats = trainer.train(batch, algorithm, ref=ref)
-                last = step + 1 == cfg.steps
-                evaluating = eval_pairs and ((step + 1) % cfg.eval_every == 0 or last)
-                scores = heldout(algorithm, trainer, eval_batch, eval_ref) if evaluating else {}
-                stopping = any_rank(stop.requested)
-                if rank == 0:
-                    seconds = time.perf_counter() - began
-                    metrics = {**stats, **scores,
-                               "epoch": (step + 1) * cfg.batch_size / len(train_pairs),
-                               "seconds/step": seconds,
-                               "tokens_per_second": batch["attention_mask"].sum().item() / seconds,
-                               "memory/peak_rss_gb": peak_rss_gb()}
-                    run.log_metrics(step + 1, metrics)
-                    display.update(step + 1, metrics)
-                if (step + 1) % cfg.save_every == 0 or last or stopping:
-                    run.save_checkpoint(step + 1, trainer, tokenizer_from=model)
-                if stopping:
-                    display.print(f"stopped after step {step + 1}; continue with --resume "
-                                  f"--run-dir {run.path}")
-                    break
-        if rank == 0:
-            display.print(f"done: {run.path}")
-    finally:
-        run.close()
-        shutdown_distributed()
+        if session.start == 0 and eval_pairs:
+            scores = heldout(algorithm, trainer, eval_batch, eval_ref)
+            session.run.log_metrics(0, scores) if rank == 0 else None
+        for step in session.steps():
+            began = time.perf_counter()
+            batch = None
+            if rank == 0:  # train() scatters rank 0's batch (whole pairs) to every rank
+                batch = collate_pairs(tokenizer, [train_pairs[i] for i in
+                                                  batch_indices(step, cfg, len(train_pairs))])
+            stats = trainer.train(batch, algorithm, ref=ref)
+            evaluating = eval_pairs and ((step + 1) % cfg.eval_every == 0
+                                         or step + 1 == cfg.steps)
+            scores = heldout(algorithm, trainer, eval_batch, eval_ref) if evaluating else {}
+            metrics = None
+            if rank == 0:
+                seconds = time.perf_counter() - began
+                metrics = {**stats, **scores,
+                           "epoch": (step + 1) * cfg.batch_size / len(train_pairs),
+                           "seconds/step": seconds,
+                           "tokens_per_second": batch["attention_mask"].sum().item() / seconds,
+                           "memory/peak_rss_gb": peak_rss_gb()}
+            session.end_step(step, metrics)  # logged; checkpointed when due; a stop ends it
 
 
 def preference_pairs(cfg: Config) -> tuple[list, list, str]:

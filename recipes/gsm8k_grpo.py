@@ -19,21 +19,19 @@ accuracy); run folders are runs/<task>_<algorithm>-<time>.
 from __future__ import annotations
 
 import time
+
 import attrs
-import torch.distributed as dist
 from transformers import AutoTokenizer
 
 from areal_flow import gsm8k_rl, registry
 from areal_flow.algorithms.grpo import GRPOConfig
 from areal_flow.config import PolicyLossConfig
-from areal_flow.data import offline
 from areal_flow.reward.runner import RewardRunner
 from areal_flow.rollout.scheduler import RolloutScheduler
-from areal_flow.run import LiveDisplay, RunDir, StopRequest
-from areal_flow.runtime.distributed import (any_rank, exit_process, init_distributed,
-                                            same_on_all_ranks, shutdown_distributed)
+from areal_flow.runtime.distributed import exit_process
 from areal_flow.runtime import precision
 from areal_flow.runtime.engine import TrainEngine
+from areal_flow.session import Session
 
 
 @attrs.frozen(kw_only=True)
@@ -54,155 +52,104 @@ def main(cfg: Config) -> None:
     if cfg.dry_run:  # where each process would run, and how to start them; nothing is read
         return gsm8k_rl.dry_run(cfg)
     gsm8k_rl.check_allocation(cfg)  # torchrun's world and this node's GPUs are --allocation's
-    rank, world, _ = init_distributed()
-    run = RunDir(same_on_all_ranks(cfg.run_dir or RunDir.default_path(gsm8k_rl.run_name(cfg))),
-                 resume=cfg.resume, keep_checkpoints=cfg.keep_checkpoints, lock=rank == 0)
-    dist.barrier()  # every rank has checked the folder before rank 0 writes into it
-    model = same_on_all_ranks(
-        cfg.model or (str(offline.packaged_smollm2()) if rank == 0 else None))
-    train_rows, eval_rows, data_note = gsm8k_rl.load_data(  # before weights load
-        cfg, model, rank, workflow_config)
-    trainer = TrainEngine(model, cfg.train)
-    ref = trainer.reference(model) if "ref" in algorithm.roles else None  # LoRA: its base
-    critic = TrainEngine(model, cfg.critic, value=True) if "critic" in algorithm.roles else None
-    teacher = TrainEngine(cfg.teacher, cfg.train, trainable=False) \
-        if "teacher" in algorithm.roles else None  # --teacher, checked in load_data
-    start, extra = run.load_checkpoint(trainer, critic=critic) if cfg.resume else (0, None)
-    cfg, measured = precision.measured(cfg, model, ("train", trainer),
-                                                ("critic", critic),
-                                                in_process=pool_class.in_process)
-    algorithm = gsm8k_rl.algorithm(cfg)  # with the mismatch correction the precisions chose
+    # ranks, run folder, model, checkpoints, the panel, stop requests, closing it all at the end
+    with Session(cfg, gsm8k_rl.run_name(cfg)) as session:
+        rank, model = session.rank, session.model
+        train_rows, eval_rows, data_note = gsm8k_rl.load_data(  # before weights load
+            cfg, model, rank, workflow_config)
+        trainer = TrainEngine(model, cfg.train)
+        ref = trainer.reference(model) if "ref" in algorithm.roles else None  # LoRA: its base
+        critic = TrainEngine(model, cfg.critic, value=True) \
+            if "critic" in algorithm.roles else None
+        teacher = TrainEngine(cfg.teacher, cfg.train, trainable=False) \
+            if "teacher" in algorithm.roles else None  # --teacher, checked in load_data
+        saved = session.resume(trainer, critic=critic)
+        cfg, measured = precision.measured(cfg, model, ("train", trainer), ("critic", critic),
+                                           in_process=pool_class.in_process)
+        algorithm = gsm8k_rl.algorithm(cfg)  # with the mismatch correction the precisions chose
+        session.show(cfg, note=data_note, measured=measured,
+                     columns=gsm8k_rl.panel_columns(cfg, critic=critic is not None,
+                                                    teacher=teacher is not None))
 
-    pool = scheduler = rewards = None
-    display = LiveDisplay(cfg.steps, start, enabled=rank == 0, columns={
-        "reward/mean": "reward", "task_metrics": "",  # the task's own numbers, e.g. accuracy
-        "reward/flat_group_fraction": "flat groups", "response_length/mean": "length",
-        **({"critic/value_loss": "value loss"} if critic else {}),
-        **({"distill/reverse_kl": "reverse KL"} if teacher else {}),
-        # |log pi_train - log pi_rollout|: shown where a correction acts on it (a plugin's
-        # algorithm may have no policy loss config)
-        **({"mismatch/abs_log_ratio_mean": "mismatch"} if getattr(
-            getattr(cfg.algorithm, "loss", None), "mismatch_correction", "none") != "none"
-           else {}),
-        "eval/reward": "eval reward", "eval/task_metrics": "eval ",
-        "reward_runner/failure_rate": "reward fails", "tokens_per_second": "tok/s",
-        "perf/mfu": "MFU", "perf/decode_mbu": "decode MBU",
-        "staleness/mean": "staleness", "seconds/step": "s/step"})
-    if rank == 0:
-        run.truncate_after(start)
-        display.print(f"[bold]{gsm8k_rl.run_name(cfg)}[/] run folder {run.path} · model {model} · "
-                      f"{world} training rank(s)\n{data_note}")
-        run.write_config(cfg, measured)
-        run.start_loggers(cfg.logger, cfg, start)
-        pool = pool_class.from_config(cfg.inference, model=model, seed=cfg.seed,
-                                      run_dir=run.path,
-                                      **({"lora": cfg.train.lora} if cfg.train.lora.enabled
-                                         else {}))  # servers start with LoRA enabled
-        rewards = RewardRunner(max_failure_rate=cfg.reward_failure_limit,
-                               max_calls_per_worker=cfg.reward_worker_max_calls,
-                               max_worker_rss_gb=cfg.reward_worker_max_rss_gb)
-        scheduler = RolloutScheduler(
-            pool=pool, workflow=cfg.workflow, dataset=train_rows,
-            tokenizer=AutoTokenizer.from_pretrained(model), score=rewards.score,
-            config=cfg.rollout, sampling=cfg.sampling, workflow_config=workflow_config,
-            seed=cfg.seed)
-        if extra:
-            scheduler.load_state_dict(extra["scheduler"])
-    weights = None if pool is None or pool.in_process else run.path / "weights"
-    # launched servers start from the initial weights: give them the checkpoint's; servers
-    # attached with --inference.addresses(-file) may hold another run's, so they get this run's
-    # (labelled with its step); an in-process engine of the trainer's dtype then generates from
-    # the trainer's own tensors (no second copy)
-    if start > 0 or pool_class.in_process or cfg.inference.addresses or \
-            cfg.inference.addresses_file:
-        trainer.sync_weights(pool, start, folder=weights)
+        pool = scheduler = rewards = None
+        if rank == 0:  # rank 0 drives the rollout
+            pool = pool_class.from_config(cfg.inference, model=model, seed=cfg.seed,
+                                          run_dir=session.run.path,
+                                          **({"lora": cfg.train.lora} if cfg.train.lora.enabled
+                                             else {}))  # servers start with LoRA enabled
+            session.closing(pool.close)
+            rewards = RewardRunner(max_failure_rate=cfg.reward_failure_limit,
+                                   max_calls_per_worker=cfg.reward_worker_max_calls,
+                                   max_worker_rss_gb=cfg.reward_worker_max_rss_gb)
+            session.closing(rewards.close)
+            scheduler = RolloutScheduler(
+                pool=pool, workflow=cfg.workflow, dataset=train_rows,
+                tokenizer=AutoTokenizer.from_pretrained(model), score=rewards.score,
+                config=cfg.rollout, sampling=cfg.sampling, workflow_config=workflow_config,
+                seed=cfg.seed)
+            session.closing(scheduler.stop)
+            if saved:
+                scheduler.load_state_dict(saved["scheduler"])
+        session.saved_also = lambda: {"scheduler": scheduler.state_dict() if scheduler else None}
+        weights = None if pool is None or pool.in_process else session.run.path / "weights"
+        # launched servers start from the initial weights: give them the checkpoint's; servers
+        # attached with --inference.addresses(-file) may hold another run's, so they get this
+        # run's (labelled with its step); an in-process engine of the trainer's dtype then
+        # generates from the trainer's own tensors (no second copy)
+        if session.start > 0 or pool_class.in_process or cfg.inference.addresses or \
+                cfg.inference.addresses_file:
+            trainer.sync_weights(pool, session.start, folder=weights)
 
-    try:
-        with StopRequest() as stop, display:
-            if scheduler is not None:
-                scheduler.start()
-                if start == 0:
-                    run.log_metrics(0, gsm8k_rl.evaluate(cfg, scheduler, eval_rows))
-            for step in range(start, cfg.steps):
-                began = time.perf_counter()
-                # rank 0 rolls out (the others get None); a stop or a rollout error while it
-                # waits ends the run here, on every rank, after a checkpoint of where it stands
-                batch = gsm8k_rl.next_batch(scheduler, stop, cfg.rollout.batch_timeout,
-                                             host=cfg.inference.hosted)
-                if (halt := gsm8k_rl.halt(batch)) is not None:
-                    if not run.has_checkpoint(step):
-                        run.save_checkpoint(step, trainer, critic=critic, tokenizer_from=model,
-                                            extra={"scheduler": scheduler.state_dict()
-                                                   if scheduler else None})
-                    if halt != gsm8k_rl.STOPPED:
-                        raise batch if rank == 0 else RuntimeError(f"rank 0's rollout: {halt}")
-                    display.print(f"stopped before step {step + 1}; continue with --resume "
-                                  f"--run-dir {run.path}")
-                    break
-                rolled = time.perf_counter()
-                # role forwards (critic values, ref and teacher logprobs) → advantages → update(s)
-                stats = trainer.train(batch, algorithm, critic=critic, ref=ref, teacher=teacher)
-                trained = time.perf_counter()
-                last = step + 1 == cfg.steps
-                failure = None  # what ends the run after this step trained: checkpoint it first
-                try:
-                    sync = trainer.sync_weights(pool, step + 1, folder=weights)
-                    if scheduler is not None:
-                        scheduler.set_version(step + 1)  # older rollouts now count as stale
-                except Exception as error:  # noqa: BLE001 - e.g. servers gone mid-update
-                    failure, sync = error, {}
-                if rank == 0:
-                    metrics = {**gsm8k_rl.batch_metrics(cfg, batch, scheduler), **stats, **sync,
-                               **gsm8k_rl.memory_parts(trainer, pool),
-                               "seconds/rollout_wait": rolled - began,
-                               "seconds/train": trained - rolled,
-                               **gsm8k_rl.component_stats(rollout=scheduler, pool=pool,
-                                                          reward_runner=rewards)}
-                    metrics["seconds/step"] = time.perf_counter() - began
-                    tokens = batch["attention_mask"].sum().item()
-                    metrics["tokens_per_second"] = tokens / metrics["seconds/step"]
-                    # the tokens the update trained (every mini-batch's step), not the batch's:
-                    # a step of flat groups trains none
-                    metrics["perf/mfu"] = trainer.mfu(
-                        stats.get("train/tokens", 0.0) * cfg.train.ppo_minibatches,
-                        metrics["seconds/train"])
-                    if "pool/decode_mbu" in metrics:  # an in-process engine's (servers: SGLang's)
-                        metrics["perf/decode_mbu"] = metrics.pop("pool/decode_mbu")
-                    if cfg.eval_size and ((step + 1) % cfg.eval_every == 0 or last) \
-                            and failure is None:
-                        try:
-                            metrics.update(gsm8k_rl.evaluate(cfg, scheduler, eval_rows))
-                        except Exception as error:  # noqa: BLE001 - e.g. rewards over the limit
-                            failure = error
-                    run.log_metrics(step + 1, metrics)
-                    samples = gsm8k_rl.samples(cfg, batch, scheduler)
-                    run.log_samples(step + 1, samples)
-                    display.update(step + 1, metrics, samples[0]["completion"] if samples else None)
-                stopping = any_rank(stop.requested)
-                failing = any_rank(failure is not None)  # on every rank: saving is collective
-                if (step + 1) % cfg.save_every == 0 or last or stopping or failing:
+        if scheduler is not None:
+            scheduler.start()
+            if session.start == 0:
+                session.run.log_metrics(0, gsm8k_rl.evaluate(cfg, scheduler, eval_rows))
+        for step in session.steps():
+            began = time.perf_counter()
+            # rollout: rank 0 waits for a batch (the others get None)
+            wait = gsm8k_rl.next_batch(scheduler, session.stop, cfg.rollout.batch_timeout,
+                                       host=cfg.inference.hosted)
+            if wait.halted:  # a stop or a rollout error while it waited, on every rank
+                session.stop_before(step, wait.failure)  # a checkpoint of where it stands
+                break
+            batch, rolled = wait.batch, time.perf_counter()
+            # role forwards (critic values, ref and teacher logprobs) → advantages → update(s)
+            stats = trainer.train(batch, algorithm, critic=critic, ref=ref, teacher=teacher)
+            trained = time.perf_counter()
+            failure = None  # what ends the run after this step trained: checkpoint it first
+            try:
+                sync = trainer.sync_weights(pool, step + 1, folder=weights)  # weight sync
+                if scheduler is not None:
+                    scheduler.set_version(step + 1)  # older rollouts now count as stale
+            except Exception as error:  # noqa: BLE001 - e.g. servers gone mid-update
+                failure, sync = error, {}
+            metrics = samples = None
+            if rank == 0:
+                metrics = {**gsm8k_rl.batch_metrics(cfg, batch, scheduler), **stats, **sync,
+                           **gsm8k_rl.memory_parts(trainer, pool),
+                           "seconds/rollout_wait": rolled - began,
+                           "seconds/train": trained - rolled,
+                           **gsm8k_rl.component_stats(rollout=scheduler, pool=pool,
+                                                      reward_runner=rewards)}
+                metrics["seconds/step"] = time.perf_counter() - began
+                tokens = batch["attention_mask"].sum().item()
+                metrics["tokens_per_second"] = tokens / metrics["seconds/step"]
+                # the tokens the update trained (every mini-batch's step), not the batch's:
+                # a step of flat groups trains none
+                metrics["perf/mfu"] = trainer.mfu(
+                    stats.get("train/tokens", 0.0) * cfg.train.ppo_minibatches,
+                    metrics["seconds/train"])
+                if "pool/decode_mbu" in metrics:  # an in-process engine's (servers: SGLang's)
+                    metrics["perf/decode_mbu"] = metrics.pop("pool/decode_mbu")
+                if cfg.eval_size and ((step + 1) % cfg.eval_every == 0
+                                      or step + 1 == cfg.steps) and failure is None:
                     try:
-                        run.save_checkpoint(step + 1, trainer, critic=critic, tokenizer_from=model,
-                                            extra={"scheduler": scheduler.state_dict()
-                                                   if scheduler else None})
-                    except Exception as error:
-                        if failing:  # both: why the run ends, and why its step is not kept
-                            error.add_note(f"(checkpointing step {step + 1} after: {failure!r})")
-                        raise
-                if failing:
-                    raise failure or RuntimeError(f"rank 0 failed after step {step + 1}")
-                if stopping:
-                    display.print(f"stopped after step {step + 1}; continue with --resume "
-                                  f"--run-dir {run.path}")
-                    break
-        if rank == 0:
-            display.print(f"done: {run.path}")
-    finally:
-        for part in (scheduler and scheduler.stop, pool and pool.close, rewards and rewards.close,
-                     run.close):
-            if part:
-                part()
-        shutdown_distributed()
+                        metrics.update(gsm8k_rl.evaluate(cfg, scheduler, eval_rows))
+                    except Exception as error:  # noqa: BLE001 - e.g. rewards over the limit
+                        failure = error
+                samples = gsm8k_rl.samples(cfg, batch, scheduler)
+            # logged; checkpointed when due, on a stop and before a failure ends the run
+            session.end_step(step, metrics, samples=samples, failure=failure)
 
 
 if __name__ == "__main__":

@@ -29,11 +29,11 @@ from areal_flow.config import OptimizerConfig
 from areal_flow.data import offline
 from areal_flow.data.sft import collate_sft
 from areal_flow.process_memory import peak_rss_gb
-from areal_flow.run import LiveDisplay, RunConfig, RunDir, StopRequest
-from areal_flow.runtime.distributed import (any_rank, exit_process, init_distributed,
-                                            same_on_all_ranks, shutdown_distributed)
+from areal_flow.run import RunConfig
+from areal_flow.runtime.distributed import exit_process
 from areal_flow.runtime import precision
 from areal_flow.runtime.engine import TrainConfig, TrainEngine
+from areal_flow.session import Session
 
 
 @attrs.frozen(kw_only=True)
@@ -52,69 +52,45 @@ class Config(RunConfig):
 
 
 def main(cfg: Config) -> None:
-    rank, world, _ = init_distributed()
-    run = RunDir(same_on_all_ranks(cfg.run_dir or RunDir.default_path("gsm8k_sft")),
-                 resume=cfg.resume, keep_checkpoints=cfg.keep_checkpoints, lock=rank == 0)
-    dist.barrier()  # every rank has checked the folder before rank 0 writes into it
-    model = same_on_all_ranks(
-        cfg.model or (str(offline.packaged_smollm2()) if rank == 0 else None))
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    # every rank reads the rows: each evaluates its own share of the held-out ones
-    train_rows, eval_rows, data_note = offline.train_eval_rows(cfg.dataset, cfg.eval_size)
-    train_chats = [conversation(cfg, row) for row in train_rows]
-    eval_batch = collate_sft(tokenizer, [conversation(cfg, row) for row in eval_rows[rank::world]])
-    algorithm = SFT(cfg.algorithm)
-    trainer = TrainEngine(model, cfg.train)
-    start, _ = run.load_checkpoint(trainer) if cfg.resume else (0, None)
-    cfg, measured = precision.measured(cfg, model, ("train", trainer))
+    with Session(cfg, "gsm8k_sft") as session:  # ranks, run folder, model, checkpoints, panel
+        rank, world = session.rank, session.world
+        tokenizer = AutoTokenizer.from_pretrained(session.model)
+        # every rank reads the rows: each evaluates its own share of the held-out ones
+        train_rows, eval_rows, data_note = offline.train_eval_rows(cfg.dataset, cfg.eval_size)
+        train_chats = [conversation(cfg, row) for row in train_rows]
+        eval_batch = collate_sft(tokenizer,
+                                 [conversation(cfg, row) for row in eval_rows[rank::world]])
+        algorithm = SFT(cfg.algorithm)
+        trainer = TrainEngine(session.model, cfg.train)
+        session.resume(trainer)
+        cfg, measured = precision.measured(cfg, session.model, ("train", trainer))
+        session.show(cfg, note=data_note, measured=measured, columns={
+            "nll": "nll", "eval/nll": "eval nll", "grad_norm": "grad norm",
+            "tokens_per_second": "tok/s", "seconds/step": "s/step"})
 
-    display = LiveDisplay(cfg.steps, start, enabled=rank == 0, columns={
-        "nll": "nll", "eval/nll": "eval nll", "grad_norm": "grad norm",
-        "tokens_per_second": "tok/s", "seconds/step": "s/step"})
-    if rank == 0:
-        run.truncate_after(start)
-        display.print(f"[bold]gsm8k_sft[/] run folder {run.path} · model {model} · "
-                      f"{world} training rank(s)\n{data_note}")
-        run.write_config(cfg, measured)
-        run.start_loggers(cfg.logger, cfg, start)
-
-    try:
-        with StopRequest() as stop, display:
-            if start == 0 and eval_rows:
-                nll = heldout_nll(trainer, eval_batch)
-                run.log_metrics(0, {"eval/nll": nll}) if rank == 0 else None
-            for step in range(start, cfg.steps):
-                began = time.perf_counter()
-                batch = None
-                if rank == 0:  # train() scatters rank 0's batch to every rank
-                    batch = collate_sft(tokenizer, [train_chats[i] for i in
-                                                    batch_indices(step, cfg, len(train_chats))])
-                stats = trainer.train(batch, algorithm)
-                last = step + 1 == cfg.steps
-                evaluating = cfg.eval_size and ((step + 1) % cfg.eval_every == 0 or last)
-                eval_nll = heldout_nll(trainer, eval_batch) if evaluating else None
-                stopping = any_rank(stop.requested)
-                if rank == 0:
-                    seconds = time.perf_counter() - began
-                    metrics = {**stats, "epoch": (step + 1) * cfg.batch_size / len(train_chats),
-                               "seconds/step": seconds,
-                               "tokens_per_second": batch["attention_mask"].sum().item() / seconds,
-                               "memory/peak_rss_gb": peak_rss_gb()}
-                    if eval_nll is not None:
-                        metrics["eval/nll"] = eval_nll
-                    run.log_metrics(step + 1, metrics)
-                    display.update(step + 1, metrics)
-                if (step + 1) % cfg.save_every == 0 or last or stopping:
-                    run.save_checkpoint(step + 1, trainer, tokenizer_from=model)
-                if stopping:
-                    display.print(f"stopped after step {step + 1}; continue with --resume "
-                                  f"--run-dir {run.path}")
-                    break
-        if rank == 0:
-            display.print(f"done: {run.path}")
-    finally:
-        run.close()
-        shutdown_distributed()
+        if session.start == 0 and eval_rows:
+            nll = heldout_nll(trainer, eval_batch)
+            session.run.log_metrics(0, {"eval/nll": nll}) if rank == 0 else None
+        for step in session.steps():
+            began = time.perf_counter()
+            batch = None
+            if rank == 0:  # train() scatters rank 0's batch to every rank
+                batch = collate_sft(tokenizer, [train_chats[i] for i in
+                                                batch_indices(step, cfg, len(train_chats))])
+            stats = trainer.train(batch, algorithm)
+            evaluating = cfg.eval_size and ((step + 1) % cfg.eval_every == 0
+                                            or step + 1 == cfg.steps)
+            eval_nll = heldout_nll(trainer, eval_batch) if evaluating else None
+            metrics = None
+            if rank == 0:
+                seconds = time.perf_counter() - began
+                metrics = {**stats, "epoch": (step + 1) * cfg.batch_size / len(train_chats),
+                           "seconds/step": seconds,
+                           "tokens_per_second": batch["attention_mask"].sum().item() / seconds,
+                           "memory/peak_rss_gb": peak_rss_gb()}
+                if eval_nll is not None:
+                    metrics["eval/nll"] = eval_nll
+            session.end_step(step, metrics)  # logged; checkpointed when due; a stop ends it
 
 
 def conversation(cfg: Config, row: dict) -> list[dict[str, str]]:

@@ -165,7 +165,7 @@ def test_the_trainer_thread_decodes_while_it_waits_for_its_batch(tiny_model_dir,
         sampling=SamplingParams(max_new_tokens=24, ignore_eos=True), seed=0)
     try:
         with scheduler, StopRequest() as stop:
-            batch = next_batch(scheduler, stop, timeout=60, host=host)
+            batch = next_batch(scheduler, stop, timeout=60, host=host).batch
             training, stepped[:] = list(stepped), []
             rows = [{"id": i} for i in range(3)]
             cfg = RLConfig(eval_size=3, inference=InferenceConfig(hosted=host),

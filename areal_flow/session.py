@@ -1,0 +1,161 @@
+"""What every training loop repeats around its stations, so that a recipe shows only those.
+
+A recipe's loop is its algorithm: rollout → role forwards → advantages → update → weight sync →
+version (or, for SFT and DPO, batch → update). Around it each recipe needs the same scaffolding:
+the process group, the run folder (locked, resumed, its metrics cut back to the checkpoint), the
+model path, config.yaml and the trackers, the live panel, stop requests (Ctrl-C, SIGTERM),
+checkpoints every `save_every` steps, at the end, on a stop and before a failure ends the run,
+and closing everything on the way out. `Session` is that scaffolding:
+
+    with Session(cfg, "gsm8k_sft") as session:     # ranks, run folder, model path
+        trainer = TrainEngine(session.model, cfg.train)
+        session.resume(trainer)                     # from the newest checkpoint with --resume
+        session.show(cfg, columns={"nll": "nll"})   # config.yaml, trackers, the panel
+        for step in session.steps():                # ends early after a stop request
+            stats = trainer.train(batch, algorithm)  # the recipe's stations
+            session.end_step(step, stats)           # log; checkpoint when due; stop when asked
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch.distributed as dist
+
+from areal_flow.data import offline
+from areal_flow.run import LiveDisplay, RunConfig, RunDir, StopRequest
+from areal_flow.runtime.distributed import (any_rank, init_distributed, same_on_all_ranks,
+                                            shutdown_distributed)
+
+
+class Session:
+    """One training run's scaffolding (see the module docstring); use it as a context manager.
+
+    Args:
+        cfg: the recipe's options (`RunConfig`'s fields: run folder, resume, steps, save_every,
+            keep_checkpoints, model, logger).
+        name: the recipe's name, for the default run folder runs/<name>-<time> and the panel.
+    """
+
+    def __init__(self, cfg: RunConfig, name: str):
+        self.cfg, self.name = cfg, name
+        self.rank, self.world, _ = init_distributed()
+        self.run = RunDir(same_on_all_ranks(cfg.run_dir or RunDir.default_path(name)),
+                          resume=cfg.resume, keep_checkpoints=cfg.keep_checkpoints,
+                          lock=self.rank == 0)
+        self._closing = contextlib.ExitStack()
+        self._closing.callback(shutdown_distributed)
+        self._closing.callback(self.run.close)
+        dist.barrier()  # every rank has checked the folder before rank 0 writes into it
+        self.model: str = same_on_all_ranks(
+            cfg.model or (str(offline.packaged_smollm2()) if self.rank == 0 else None))
+        """The model's folder or hub id (default: the packaged SmolLM2-135M-Instruct)."""
+        self.start = 0
+        """The first step to train: 0, or the step of the checkpoint a resume loaded."""
+        self.stop = StopRequest()
+        self.display: LiveDisplay | None = None
+        self.saved_also: Callable[[], Any] = lambda: None
+        """What checkpoints keep beside the weights (e.g. the rollout's state); `resume`
+        returns what the checkpoint kept."""
+        self._trainer = self._critic = None
+        self._stopping = False
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, kind, error, trace) -> None:
+        """Closes the panel, the stop handlers, whatever `closing` was given, the run folder
+        and the process group, in that order; says where the run is after a good end."""
+        with self._closing:
+            if kind is None and self.display is not None:
+                self.display.print(f"done: {self.run.path}")
+
+    def closing(self, close: Callable[[], Any] | None) -> None:
+        """Call `close` (a server pool's, the rollout's; None: nothing) when the run ends,
+        before the run folder closes; the last given is called first."""
+        if close is not None:
+            self._closing.callback(close)
+
+    def resume(self, trainer: Any, *, critic: Any = None) -> Any:
+        """The models checkpoints save; with --resume, loads the newest checkpoint into them
+        and sets `start` to its step. Returns what `saved_also` gave that checkpoint (None
+        without --resume)."""
+        self._trainer, self._critic = trainer, critic
+        if not self.cfg.resume:
+            return None
+        self.start, extra = self.run.load_checkpoint(trainer, critic=critic)
+        return extra
+
+    def show(self, cfg: Any, *, columns: dict[str, str], note: str = "",
+             measured: str = "") -> None:
+        """Rank 0: cuts metrics and samples back to `start`, prints the run's heading and
+        `note`, writes config.yaml (`cfg`, headed by what was `measured` at start) and opens the
+        trackers; every rank: the live panel showing `columns` (`LiveDisplay`)."""
+        self.display = LiveDisplay(self.cfg.steps, self.start, enabled=self.rank == 0,
+                                   columns=columns)
+        if self.rank == 0:
+            self.run.truncate_after(self.start)
+            self.display.print(f"[bold]{self.name}[/] run folder {self.run.path} · model "
+                               f"{self.model} · {self.world} training rank(s)"
+                               + (f"\n{note}" if note else ""))
+            self.run.write_config(cfg, measured)
+            self.run.start_loggers(self.cfg.logger, cfg, self.start)
+
+    def steps(self) -> Iterator[int]:
+        """The steps left, from `start`; the panel shows and a stop request is honoured from
+        the first. Ends after the step at which a stop was requested (`end_step`)."""
+        self._closing.enter_context(self.stop)
+        self._closing.enter_context(self.display)
+        step = self.start
+        while step < self.cfg.steps and not self._stopping:
+            yield step
+            step += 1
+
+    def end_step(self, step: int, metrics: dict[str, float] | None = None, *,
+                 samples: list[dict] | None = None,
+                 failure: BaseException | None = None) -> None:
+        """After step `step` (0-based) trained: rank 0 logs `metrics` and `samples` and updates
+        the panel; then every rank checkpoints it every `save_every` steps, after the last, on
+        a stop request and when `failure` (what ends the run after this step trained) is set
+        on any rank, which is then raised."""
+        done = step + 1
+        if self.rank == 0 and metrics is not None:
+            self.run.log_metrics(done, metrics)
+            if samples is not None:
+                self.run.log_samples(done, samples)
+            self.display.update(done, metrics, samples[0]["completion"] if samples else None)
+        stopping = any_rank(self.stop.requested)
+        failing = any_rank(failure is not None)  # on every rank: saving is collective
+        if done % self.cfg.save_every == 0 or done == self.cfg.steps or stopping or failing:
+            try:
+                self.checkpoint(done)
+            except Exception as error:
+                if failing:  # both: why the run ends, and why its step is not kept
+                    error.add_note(f"(checkpointing step {done} after: {failure!r})")
+                raise
+        if failing:
+            raise failure or RuntimeError(f"rank 0 failed after step {done}")
+        if stopping:
+            self.display.print(f"stopped after step {done}; continue with --resume --run-dir "
+                               f"{self.run.path}")
+            self._stopping = True
+
+    def stop_before(self, step: int, failure: BaseException | None = None) -> None:
+        """Step `step` cannot start (a stop request, or `failure`: the rollout's error): keeps
+        where the run stands in a checkpoint, then raises `failure` or says how to continue.
+        The loop must end (break) after it."""
+        if not self.run.has_checkpoint(step):
+            self.checkpoint(step)
+        if failure is not None:
+            raise failure
+        self.display.print(f"stopped before step {step + 1}; continue with --resume --run-dir "
+                           f"{self.run.path}")
+        self._stopping = True
+
+    def checkpoint(self, step: int) -> None:
+        """Every rank: the models given to `resume` and `saved_also()` as the state after
+        `step` steps."""
+        self.run.save_checkpoint(step, self._trainer, critic=self._critic,
+                                 tokenizer_from=self.model, extra=self.saved_also())
