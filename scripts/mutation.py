@@ -85,7 +85,15 @@ MODULES: dict[str, list[str]] = {
     "areal_flow/registry.py": ["tests/test_registry.py"],
     "areal_flow/runtime/engine.py": [
         "tests/test_engine_steps.py", "tests/test_runtime_checkpoint.py", "tests/test_ppo.py",
-        "tests/test_weight_updates.py::test_sync_weights_never_writes_into_the_folder_the_pool_names"],
+        "tests/test_weight_updates.py::test_sync_weights_never_writes_into_the_folder_the_pool_names",
+        # the weights a LoRA policy syncs and its reference; the bucketed sync to servers (the
+        # pool and the trainer in process, the servers not)
+        "tests/test_sglang_pool.py::test_bucketed_weights_over_a_gloo_group"] + [
+        f"tests/test_lora.py::test_{name}" for name in (
+            "only_the_adapter_trains", "the_export_is_the_merged_model_and_a_peft_adapter",
+            "after_lora_steps_the_engine_generates_what_the_merged_model_does",
+            "a_lora_policys_reference_is_its_own_base_model",
+            "a_lora_checkpoint_holds_the_adapter_only_and_resumes_it")],
     "areal_flow/runtime/microbatch.py": ["tests/test_microbatch.py"] + [
         # the property tests (the rest of test_runtime.py runs torchrun worlds in subprocesses)
         f"tests/test_runtime.py::test_{name}" for name in (

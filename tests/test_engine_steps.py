@@ -246,3 +246,230 @@ def test_keeping_the_gathered_bf16_weights_through_a_step_gives_the_same_step(wo
         assert all(type(p).__name__ == "DTensor" for p in kept.model.parameters())  # resharded
     end_a, end_b = params(kept), params(freed)
     assert max((end_a[k] - end_b[k]).abs().max().item() for k in end_a) < 1e-5
+
+
+# -- what a step adds up (mutation testing of runtime/engine.py found these unchecked) ----------
+
+
+class CountingNLL(TokenNLL):
+    """TokenNLL whose stats say how many rows each micro-batch had; `unit`/`constant` choose the
+    normalizer; `skips_zero_advantage_rows` makes it an advantage-weighted loss."""
+
+    def __init__(self, unit: str = "tokens", constant: float = 0.0, weighted: bool = False):
+        self.unit, self.constant, self.rows = unit, constant, []
+        self.skips_zero_advantage_rows = weighted
+
+    def loss(self, out, mb):
+        mask = mb["loss_mask"].float()
+        weight = mb["advantages"] if self.skips_zero_advantage_rows else 1.0
+        self.rows.append(mb.batch_size[0])
+        return LossOutput(loss_sum=-(weight * out.logprobs * mask).sum(),
+                          normalizer=self.constant if self.unit == "constant" else mask.sum(),
+                          unit=self.unit, stats={"rows": torch.tensor(float(mb.batch_size[0]))})
+
+
+def summed_nll_gradients(model_dir, batch) -> dict[str, torch.Tensor]:
+    """The gradient of the summed NLL of every loss token, computed on the plain model."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    nll = torch.zeros(())
+    for row in range(batch.batch_size[0]):
+        n = int(batch["attention_mask"][row].sum())
+        ids = batch["input_ids"][row, :n][None]
+        logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
+        picked = logp.gather(-1, ids[0, 1:, None])[:, 0]
+        nll = nll - (picked * batch["loss_mask"][row, 1:n]).sum()
+    nll.backward()
+    return {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+
+def test_a_steps_statistics_are_micro_batch_means_and_its_counts_are_totals(world,
+                                                                             tiny_model_dir):
+    e = engine(tiny_model_dir, max_tokens_per_mb=60)  # several micro-batches
+    batch, loss = fixed_batch(e.model.config.vocab_size), CountingNLL()
+    stats = e.train(batch, loss)
+    assert len(loss.rows) >= 3 and sum(loss.rows) == batch.batch_size[0]
+    assert stats["rows"] == pytest.approx(sum(loss.rows) / len(loss.rows))
+    assert stats["train/micro_batches"] == len(loss.rows)
+    tokens = int(batch["attention_mask"].sum())
+    assert stats["train/tokens"] == tokens
+    assert stats["train/mb_fill"] == pytest.approx(tokens / len(loss.rows) / 60)
+
+
+@pytest.mark.parametrize("unit", ["tokens", "constant"])
+def test_the_gradient_is_the_summed_loss_over_its_normalizer_however_the_batch_is_split(
+        world, tiny_model_dir, unit):
+    """A summed unit's normalizer adds up over micro-batches; a constant one is used as it is
+    (not once per micro-batch). Against the gradient of the plain model's summed NLL."""
+    e = TrainEngine(tiny_model_dir, TrainConfig(optim=OptimizerConfig(lr=1e-9, max_grad_norm=1e9),
+                                                max_tokens_per_mb=60))
+    batch = fixed_batch(e.model.config.vocab_size)
+    stats = e.train(batch, CountingNLL(unit, constant=7.0))
+    normalizer = 7.0 if unit == "constant" else float(batch["loss_mask"][:, 1:].sum())
+    assert stats["normalizer"] == normalizer
+    expected = summed_nll_gradients(tiny_model_dir, batch)
+    got = e.full_grads()
+    for name, grad in expected.items():
+        torch.testing.assert_close(got[name], grad / normalizer, rtol=1e-4, atol=1e-6)
+
+
+def test_a_step_of_one_loss_token_trains_on_it_and_reports_its_loss(world, tiny_model_dir):
+    e = engine(tiny_model_dir)
+    batch = fixed_batch(e.model.config.vocab_size)[:1]
+    batch["loss_mask"] = torch.zeros_like(batch["loss_mask"])
+    batch["loss_mask"][0, 5] = True
+    logp = e.forward(batch)["logprobs"][0, 5].item()
+    before = params(e)
+    stats = e.train(batch, TokenNLL())
+    assert stats["normalizer"] == 1.0 and stats["loss"] == pytest.approx(-logp, rel=1e-5)
+    after = params(e)
+    assert max((after[k] - before[k]).abs().max().item() for k in before) > 1e-4
+
+
+def test_a_step_without_loss_tokens_is_a_zero_step_not_an_error(world, tiny_model_dir):
+    e = engine(tiny_model_dir)
+    batch = fixed_batch(e.model.config.vocab_size)
+    batch["loss_mask"] = torch.zeros_like(batch["loss_mask"])
+    stats = e.train(batch, TokenNLL())
+    assert (stats["loss"], stats["grad_norm"], stats["normalizer"]) == (0.0, 0.0, 0.0)
+
+
+def test_one_moving_and_one_skipped_row_take_a_step(world, tiny_model_dir):
+    """One micro-batch and one row skipped for its zero advantages: a step all the same."""
+    e = engine(tiny_model_dir)
+    batch = fixed_batch(e.model.config.vocab_size)[:2]
+    batch["advantages"] = torch.stack([torch.zeros(40), torch.ones(40)])
+    stats = e.train(batch, CountingNLL(weighted=True))
+    assert (e.steps, stats["skipped_step"], stats["train/skipped_rows"]) == (1, 0.0, 1.0)
+    assert stats["train/micro_batches"] == 1.0
+
+
+class NaNLossFiniteGradient(TokenNLL):
+    def loss(self, out, mb):
+        result = super().loss(out, mb)
+        return LossOutput(loss_sum=result.loss_sum + torch.tensor(float("nan")),
+                          normalizer=result.normalizer, unit="tokens")
+
+
+def test_a_nonfinite_loss_stops_the_step_even_when_its_gradient_is_finite(world, tiny_model_dir):
+    e = engine(tiny_model_dir)
+    with pytest.raises(FloatingPointError, match="optimizer step 1: loss nan"):
+        e.train(fixed_batch(e.model.config.vocab_size), NaNLossFiniteGradient())
+    assert e.steps == 0
+
+
+def test_an_entropy_bonus_raises_the_policys_entropy_through_the_engine(world, tiny_model_dir):
+    """GRPO with entropy_coef > 0 on flat groups (every advantage 0): only the entropy term
+    moves the policy, and it must move it towards more entropy (the engine has to give the loss
+    an entropy that carries a gradient)."""
+    from areal_flow.algorithms.grpo import GRPO, GRPOConfig
+
+    e = engine(tiny_model_dir, lr=3e-3)
+    batch = grpo_batch(e.model.config.vocab_size, flat_groups=list(range(6)))
+    algorithm = GRPO(GRPOConfig(entropy_coef=1.0))
+    assert algorithm.needs_entropy_grad and not algorithm.skips_zero_advantage_rows
+
+    def entropy() -> float:
+        with torch.no_grad():
+            out = e.outputs(batch, entropy="metric")
+        mask = batch["loss_mask"]
+        return float((out.entropy * mask).sum() / mask.sum())
+
+    before = entropy()
+    for _ in range(3):
+        stats = e.train(batch, algorithm)
+    assert "entropy" in stats
+    assert entropy() > before + 0.01
+
+
+def test_step_totals_add_up_exactly_past_float32s_integers(world, tiny_model_dir):
+    from areal_flow.runtime.engine import StepTotals
+
+    engine(tiny_model_dir)  # the one-process world
+    big = 2**24 + 1  # float32 has no such integer: a large run's token count
+    totals = StepTotals(loss_sum=1.0 + 2**-30, normalizer=float(big), micro_batches=3,
+                        skipped_rows=0, tokens=big).summed_over_ranks()
+    assert (totals.tokens, totals.normalizer, totals.loss_sum) == (big, big, 1.0 + 2**-30)
+
+
+def test_a_reference_is_a_frozen_copy_of_the_initial_weights(world, tiny_model_dir):
+    """Without LoRA the reference is a second model, frozen: no optimizer state, no gradients,
+    and the policy's steps leave its log-probs where the initial weights had them."""
+    e = engine(tiny_model_dir)
+    ref = e.reference(tiny_model_dir)
+    assert ref is not e and ref.optimizer is None
+    assert not any(p.requires_grad for p in ref.model.parameters())
+    assert ref.memory_gb()["optimizer"] == 0.0 and ref.memory_gb()["gradients"] == 0.0
+    batch = fixed_batch(e.model.config.vocab_size)
+    initial = e.forward(batch)["logprobs"]
+    for _ in range(2):
+        e.train(batch, TokenNLL())
+    assert (e.forward(batch)["logprobs"] - initial).abs().max() > 1e-3
+    torch.testing.assert_close(ref.forward(batch)["logprobs"], initial)
+
+
+def test_full_state_dict_is_a_copy_the_caller_may_change(world, tiny_model_dir):
+    e = engine(tiny_model_dir)
+    state = e.full_state_dict()
+    for t in state.values():
+        t.zero_()
+    assert max(p.abs().max().item() for p in e.model.parameters()) > 0.01
+
+
+class FolderPool:
+    """Records what `sync_weights(folder=...)` hands a pool."""
+
+    in_process = False
+
+    def __init__(self):
+        self.updates = []
+
+    def update_weights(self, update):
+        self.updates.append(update)
+
+
+def test_a_bf16_engines_folder_sync_writes_its_full_weights(world, tiny_model_dir, tmp_path):
+    """bf16 in one process: FSDP2 holds the parameters as DTensors; the folder the servers load
+    holds them whole, equal to `full_state_dict`, and the sync's timings add up."""
+    import time
+
+    from safetensors.torch import load_file
+
+    e = engine(tiny_model_dir, dtype="bfloat16")
+    assert e.sharded
+    e.train(fixed_batch(e.model.config.vocab_size), TokenNLL())
+    pool, began = FolderPool(), time.perf_counter()
+    sync = e.sync_weights(pool, 1, folder=tmp_path / "weights")
+    took = time.perf_counter() - began
+    assert 0 <= sync["sync/gather_seconds"] and 0 <= sync["sync/send_seconds"]
+    assert sync["sync/gather_seconds"] + sync["sync/send_seconds"] <= took
+    [update] = pool.updates
+    written = load_file(f"{update.path}/model.safetensors")
+    expected = e.full_state_dict()
+    assert all(type(t) is torch.Tensor for t in expected.values())
+    for name, tensor in written.items():
+        torch.testing.assert_close(tensor, expected[name])
+    assert sync["sync/bytes"] == sum(t.numel() * t.element_size() for t in {
+        t.data_ptr(): t for t in expected.values()}.values())
+
+
+def test_an_engine_that_copies_the_weights_is_not_paused_by_the_next_step(world, tiny_model_dir):
+    """Only an engine that reads the trainer's own tensors (`live`) is held during an optimizer
+    step; one that copied them (bf16 here, the trainer fp32) keeps generating."""
+    from areal_flow.inference.local import LocalEngine
+
+    e = engine(tiny_model_dir)
+    batch = fixed_batch(e.model.config.vocab_size)
+    for dtype, held in (("bfloat16", False), ("float32", True)):
+        pool = LocalEngine(tiny_model_dir, dtype=dtype)
+        try:
+            sync = e.sync_weights(pool, 1)
+            assert (sync["sync/bytes"] == 0) == held
+            paused: list[bool] = []
+            pool.pause = lambda *a, **k: paused.append(True)  # noqa: B023 - read at once
+            e.train(batch, TokenNLL())
+            assert bool(paused) == held
+        finally:
+            e._readers = None
+            pool.close()
