@@ -473,3 +473,47 @@ def test_an_engine_that_copies_the_weights_is_not_paused_by_the_next_step(world,
         finally:
             e._readers = None
             pool.close()
+
+
+def test_each_minibatch_sees_how_far_the_weights_have_moved(world, tiny_model_dir):
+    """With three optimizer steps per batch, the k-th mini-batch's rows carry progress k / 3
+    (the version-based proximal approximation reads it)."""
+    seen = []
+
+    class Recording(TokenNLL):
+        def loss(self, out, mb):
+            seen.append(sorted(set(mb["minibatch_progress"].tolist())))
+            return super().loss(out, mb)
+
+    e = engine(tiny_model_dir, ppo_minibatches=3)
+    e.train(fixed_batch(e.model.config.vocab_size), Recording())
+    assert sorted({p for values in seen for p in values}) == pytest.approx([0, 1 / 3, 2 / 3])
+    assert all(len(values) == 1 for values in seen)
+
+
+def test_a_micro_batch_is_one_forward_and_grpo_reports_the_entropy(world, tiny_model_dir):
+    from areal_flow.algorithms.grpo import GRPO, GRPOConfig
+    from areal_flow.config import PolicyLossConfig
+
+    e = engine(tiny_model_dir, max_tokens_per_mb=60)
+    forwards = []
+    e.model.register_forward_hook(lambda *_: forwards.append(1))
+    algorithm = GRPO(GRPOConfig(loss=PolicyLossConfig(recompute_proximal=False)))  # no roles
+    stats = e.train(grpo_batch(e.model.config.vocab_size, flat_groups=[]), algorithm)
+    assert len(forwards) == stats["train/micro_batches"] >= 3
+    assert 0.1 < stats["entropy"] < math.log(e.model.config.vocab_size) + 1e-3
+
+
+def test_the_episodes_info_and_metrics_stay_on_the_callers_batch(world, tiny_model_dir):
+    """The scheduler's batch carries the episodes' info (not tensors) and task metrics for
+    samples.jsonl and metrics.jsonl: training leaves them out and the caller keeps them."""
+    from tensordict import NonTensorStack, TensorDict
+
+    e = engine(tiny_model_dir)
+    batch = fixed_batch(e.model.config.vocab_size)
+    rows = batch.batch_size[0]
+    batch["metrics"] = TensorDict({"accuracy": torch.ones(rows)}, batch_size=[rows])
+    batch["info"] = NonTensorStack(*({"row": i} for i in range(rows)))
+    stats = e.train(batch, TokenNLL())
+    assert e.steps == 1 and math.isfinite(stats["loss"])
+    assert {"metrics", "info"} <= set(batch.keys())
