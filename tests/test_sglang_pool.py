@@ -29,7 +29,8 @@ from areal_flow import generation_pools
 from areal_flow.inference.launcher import SGLangLauncher, serve_command
 from areal_flow.inference.local import LocalEngine
 from areal_flow.inference.server import build_app
-from areal_flow.inference.sglang_pool import SGLangPool, WeightUpdateError, _resubmission_seed
+from areal_flow.inference.sglang_pool import (GenerationError, SGLangPool, WeightUpdateError,
+                                              _resubmission_seed)
 from areal_flow.runtime import weight_sync
 from areal_flow.runtime.engine import TrainConfig, TrainEngine
 from areal_flow.types import GenerationRequest, SamplingParams, WeightUpdate
@@ -61,9 +62,9 @@ def http():
         yield client
 
 
-def req(prompt, episode_id=None, **sampling) -> GenerationRequest:
+def req(prompt, episode_id=None, rid=None, **sampling) -> GenerationRequest:
     return GenerationRequest(input_ids=prompt, episode_id=episode_id,
-                             sampling=SamplingParams(**sampling))
+                             sampling=SamplingParams(**sampling), **({"rid": rid} if rid else {}))
 
 
 def greedy(prompt, n=8, **kw) -> GenerationRequest:
@@ -192,6 +193,7 @@ def test_servers_join_and_leave_through_the_addresses_file(addrs, http, tmp_path
         assert served_greedy(http, c, prompt)["output_ids"] == expected
         assert {s["address"]: s["in_rotation"] for s in pool.servers()} == {a: True, b: True,
                                                                              c: True}
+        assert pool.weight_group_size() == 4
         before = routed(pool)
         outs = generate_all(pool, [greedy(prompt) for _ in range(3)])
         assert routed(pool)[c] > before[c]  # the newcomer (least routed) gets requests
@@ -203,6 +205,8 @@ def test_servers_join_and_leave_through_the_addresses_file(addrs, http, tmp_path
         generate_all(pool, [greedy(prompt, 2) for _ in range(4)])
         assert set(routed(pool)) == {b, c}
         assert pool.stats()["servers"] == 2
+        # a weight-update group would take the trainer and the two listed servers
+        assert pool.weight_group_size() == 3
     finally:
         pool.close()
 
@@ -437,15 +441,44 @@ def test_a_server_frozen_mid_request_is_taken_out_and_its_request_finishes_elsew
 
 
 @contextlib.contextmanager
-def served_with_500s(model_dir, failures: float):
-    """The real protocol server in this process behind an ASGI wrapper that answers its first
-    `failures` /generate calls with 500; yields (address, calls still to fail)."""
+def served_through(model_dir, middleware=None):
+    """The real protocol server in this process, each HTTP call passing through
+    `middleware(scope, receive, send, app)` (None: straight to it); yields (address, stop):
+    `stop()` ends the server, so that calls to it are refused."""
     engine = LocalEngine(model_dir, max_batch_size=8)
     app = build_app(engine)
-    left = {"n": failures}
 
     async def wrapper(scope, receive, send):
-        if scope["type"] == "http" and scope["path"] == "/generate" and left["n"] > 0:
+        if middleware is None or scope["type"] != "http":
+            return await app(scope, receive, send)
+        await middleware(scope, receive, send, app)
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    uv = uvicorn.Server(uvicorn.Config(wrapper, log_level="warning"))
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+
+    def stop():
+        uv.should_exit = True
+        thread.join(timeout=30)
+
+    try:
+        wait_for(lambda: uv.started, what="uvicorn to start")
+        yield f"127.0.0.1:{sock.getsockname()[1]}", stop
+    finally:
+        stop()
+        engine.close()
+
+
+@contextlib.contextmanager
+def served_with_500s(model_dir, failures: float):
+    """The real protocol server behind a wrapper that answers its first `failures` /generate
+    calls with 500; yields (address, calls still to fail)."""
+    left = {"n": failures}
+
+    async def fail_first(scope, receive, send, app):
+        if scope["path"] == "/generate" and left["n"] > 0:
             left["n"] -= 1
             await send({"type": "http.response.start", "status": 500,
                         "headers": [(b"content-type", b"application/json")]})
@@ -454,18 +487,44 @@ def served_with_500s(model_dir, failures: float):
             return
         await app(scope, receive, send)
 
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    uv = uvicorn.Server(uvicorn.Config(wrapper, log_level="warning"))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        wait_for(lambda: uv.started, what="uvicorn to start")
-        yield f"127.0.0.1:{sock.getsockname()[1]}", left
-    finally:
-        uv.should_exit = True
-        thread.join(timeout=30)
-        engine.close()
+    with served_through(model_dir, fail_first) as (address, _):
+        yield address, left
+
+
+def edited_replies(edit, recorded: dict[str, list] | None = None):
+    """Middleware: each /generate reply becomes `edit(reply, k)` (k: the call's index); the
+    bodies of calls to the paths in `recorded` are appended there."""
+    import json
+
+    calls = []
+
+    async def middleware(scope, receive, send, app):
+        if recorded is not None and scope["path"] in recorded:
+            body, more = b"", True
+            while more:
+                message = await receive()
+                body, more = body + message.get("body", b""), message.get("more_body", False)
+            recorded[scope["path"]].append(json.loads(body or b"{}"))
+
+            async def receive():  # noqa: F811 - the body read above, for the app
+                return {"type": "http.request", "body": body, "more_body": False}
+        if scope["path"] != "/generate":
+            return await app(scope, receive, send)
+        messages = []
+
+        async def keep(message):
+            messages.append(message)
+
+        await app(scope, receive, keep)
+        start, body = messages[0], b"".join(m.get("body", b"") for m in messages[1:])
+        if start["status"] == 200:
+            body = json.dumps(edit(json.loads(body), len(calls))).encode()
+            calls.append(body)
+        headers = [(k, v) for k, v in start["headers"] if k.lower() != b"content-length"]
+        await send({**start, "headers": [*headers, (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+    return middleware, calls
 
 
 @pytest.mark.faults
@@ -713,3 +772,157 @@ def test_a_run_started_with_its_servers_waits_for_them_to_answer(tiny_model_dir,
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+# -- what the pool makes of each kind of reply (mutation testing of the routing and
+#    resubmission functions found these unchecked) --------------------------------------------
+
+
+def relabel(reply, spans, version):
+    """A reply whose tokens carry the given weight-version spans [(label, start, end)] (None:
+    no spans, as an older SGLang sends) and `weight_version`."""
+    meta = reply["meta_info"]
+    meta.pop("weight_versions", None)
+    if spans is not None:
+        meta["weight_versions"] = [{"version": v, "start": a, "end": b} for v, a, b in spans]
+    meta["weight_version"] = version
+    return reply
+
+
+def test_per_token_versions_come_from_the_replys_spans(tiny_model_dir):
+    """A reply whose weights changed mid-request labels its tokens by spans; one without spans
+    labels them all with `weight_version`; a reply of older weights than the pool had when it
+    sent the request is counted (`behind_replies`), one of the same is not."""
+    labels = [([("3", 0, 2), ("4", 2, 6)], "4"), (None, "5"), ([("6", 0, 6)], "6"),
+              ([("7", 0, 6)], "7")]
+    middleware, calls = edited_replies(lambda reply, k: relabel(reply, *labels[k]))
+    prompt = prompts(1)[0]
+    with served_through(tiny_model_dir, middleware) as (address, _):
+        pool = SGLangPool([address], version=7)
+        try:
+            outs = [run(pool.generate(greedy(prompt, 6))) for _ in labels]
+            stats = pool.stats()
+        finally:
+            pool.close()
+    assert [list(o.versions) for o in outs] == [[3, 3, 4, 4, 4, 4], [5] * 6, [6] * 6, [7] * 6]
+    assert stats["behind_replies"] == 3 and stats["requests"] == 4
+
+
+def test_an_empty_abort_is_resubmitted_and_a_full_one_ends_as_length(tiny_model_dir):
+    """SGLang aborts a request still in its queue with no token: the pool sends it again. An
+    abort that came with every token the request may have is its end ("length"): nothing is
+    sent again."""
+    def edit(reply, k):
+        meta = reply["meta_info"]
+        if k == 0:  # aborted in the queue
+            reply["output_ids"], reply["text"] = [], ""
+            meta.update(output_token_logprobs=[], weight_versions=[],
+                        finish_reason={"type": "abort", "message": "aborted"})
+        if k == 2:  # aborted just as its last token came
+            meta["finish_reason"] = {"type": "abort", "message": "aborted"}
+        return reply
+
+    middleware, calls = edited_replies(edit)
+    prompt = prompts(1)[0]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    with served_through(tiny_model_dir, middleware) as (address, _):
+        pool = SGLangPool([address])
+        try:
+            first = run(pool.generate(greedy(prompt, 5)))
+            assert (len(calls), pool.stats()["resubmissions"]) == (2, 1)
+            second = run(pool.generate(greedy(prompt, 5)))
+            assert len(calls) == 3
+        finally:
+            pool.close()
+    for out in (first, second):
+        assert list(out.token_ids) == greedy_reference(model, prompt, 5)
+        assert out.finish_reason == "length" and len(out.logprobs) == len(out.versions) == 5
+
+
+@pytest.mark.faults
+def test_a_server_that_keeps_failing_fails_the_request_after_the_retries(tiny_model_dir):
+    with served_with_500s(tiny_model_dir, failures=math.inf) as (address, _):
+        pool = SGLangPool([address], retries=2, no_server_timeout=10)
+
+        async def bounded():  # a pool that retried forever would fail the test, not hang it
+            return await asyncio.wait_for(pool.generate(greedy(prompts(1)[0], 4)), 60)
+
+        try:
+            with pytest.raises(GenerationError, match="failed 3 times"):
+                run(bounded())
+            assert pool.stats()["retries"] == 2
+        finally:
+            pool.close()
+
+
+def test_aborts_reach_the_server_only_for_a_request_it_runs(tiny_model_dir):
+    """A request interrupted by a pause waits for `resume` on no server: aborting it then
+    returns its tokens at once and sends the server nothing. Cancelling the caller of a
+    running request sends /abort_request with the id the server knows it by."""
+    recorded = {"/abort_request": []}
+    middleware, _ = edited_replies(lambda reply, k: reply, recorded)
+    prompt = prompts(1)[0]
+    with served_through(tiny_model_dir, middleware) as (address, _):
+        pool = SGLangPool([address])
+        try:
+            async def interrupted():
+                task = asyncio.ensure_future(pool.generate(
+                    req(prompt, rid="waiting", max_new_tokens=400, ignore_eos=True,
+                        temperature=0)))
+                await asyncio.sleep(0.3)
+                await asyncio.to_thread(pool.pause)
+                # the interrupted reply is in: the request waits on no server
+                await asyncio.to_thread(wait_for, lambda: pool.stats()["running"] == 0)
+                await asyncio.to_thread(pool.abort, "waiting")
+                return await asyncio.wait_for(task, 30)
+
+            out = run(interrupted())
+            assert out.finish_reason == "abort" and 0 < len(out.token_ids) < 400
+            assert recorded["/abort_request"] == []
+            pool.resume()
+
+            async def cancelled():
+                task = asyncio.ensure_future(pool.generate(
+                    req(prompt, rid="cancelled", max_new_tokens=400, ignore_eos=True,
+                        temperature=0)))
+                await asyncio.sleep(0.3)
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+            run(cancelled())
+            wait_for(lambda: recorded["/abort_request"], what="the /abort_request call")
+            [body] = recorded["/abort_request"]
+            assert body["rid"].endswith("-cancelled")
+        finally:
+            pool.close()
+
+
+def test_closing_the_pool_ends_its_running_requests_and_counts_each_dead_server(tiny_model_dir):
+    """Servers that stop answering are each counted once (`dead_servers`) and their requests
+    finish elsewhere; closing the pool while a request runs ends that request with an error
+    naming the close, and leaves no task behind."""
+    prompt = prompts(1)[0]
+    with served_through(tiny_model_dir) as (a, stop_a), \
+            served_through(tiny_model_dir) as (b, stop_b), \
+            served_through(tiny_model_dir) as (c, _):
+        pool = SGLangPool([a, b, c], no_server_timeout=10)
+        try:
+            stop_a(), stop_b()
+            tasks = len(pool._tasks)  # the pool's own (the periodic refresh)
+            outs = generate_all(pool, [greedy(prompt, 3) for _ in range(4)])
+            assert all(len(o.token_ids) == 3 for o in outs)
+            assert pool.stats()["dead_servers"] == 2
+            assert len(pool._tasks) == tasks  # finished requests leave no task behind
+
+            async def closed_meanwhile():
+                task = asyncio.ensure_future(pool.generate(
+                    req(prompt, max_new_tokens=400, ignore_eos=True, temperature=0)))
+                await asyncio.sleep(0.3)
+                await asyncio.to_thread(pool.close)
+                return await asyncio.wait_for(task, 30)
+
+            with pytest.raises(RuntimeError, match="the SGLang pool was closed"):
+                run(closed_meanwhile())
+        finally:
+            pool.close()
