@@ -372,11 +372,14 @@ def test_an_entropy_bonus_raises_the_policys_entropy_through_the_engine(world, t
 
     def entropy() -> float:
         with torch.no_grad():
-            out = e.outputs(batch, entropy="metric")
+            out = e.outputs(batch)  # the default: the entropy as a metric
         mask = batch["loss_mask"]
         return float((out.entropy * mask).sum() / mask.sum())
 
     before = entropy()
+    with torch.no_grad():  # with the entropy's gradient asked for, the log-probs are the same
+        torch.testing.assert_close(e.outputs(batch, entropy="grad").logprobs,
+                                   e.outputs(batch, entropy="none").logprobs)
     for _ in range(3):
         stats = e.train(batch, algorithm)
     assert "entropy" in stats
@@ -459,9 +462,11 @@ def test_an_engine_that_copies_the_weights_is_not_paused_by_the_next_step(world,
     step; one that copied them (bf16 here, the trainer fp32) keeps generating."""
     from areal_flow.inference.local import LocalEngine
 
-    e = engine(tiny_model_dir)
-    batch = fixed_batch(e.model.config.vocab_size)
-    for dtype, held in (("bfloat16", False), ("float32", True)):
+    fp32, bf16 = engine(tiny_model_dir), engine(tiny_model_dir, dtype="bfloat16")
+    batch = fixed_batch(fp32.model.config.vocab_size)
+    # a bf16 trainer's weights are FSDP2's shards, gathered into copies
+    for e, dtype, held in ((fp32, "bfloat16", False), (bf16, "bfloat16", False),
+                           (fp32, "float32", True)):
         pool = LocalEngine(tiny_model_dir, dtype=dtype)
         try:
             sync = e.sync_weights(pool, 1)
@@ -517,3 +522,96 @@ def test_the_episodes_info_and_metrics_stay_on_the_callers_batch(world, tiny_mod
     stats = e.train(batch, TokenNLL())
     assert e.steps == 1 and math.isfinite(stats["loss"])
     assert {"metrics", "info"} <= set(batch.keys())
+
+
+def test_master_weights_are_fp32_whatever_dtype_the_checkpoint_holds(world, tiny_model_dir,
+                                                                      tmp_path):
+    """SmolLM2's checkpoint is bf16: the trainer's own weights (and the critic's) are fp32
+    all the same (bf16 compute is FSDP2's cast, `dtype`), not the checkpoint's dtype."""
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).save_pretrained(
+        tmp_path / "bf16")
+    for value in (False, True):
+        e = TrainEngine(tmp_path / "bf16", TrainConfig(), value=value)
+        assert {p.dtype for p in e.model.parameters()} == {torch.float32}
+
+
+@pytest.mark.parametrize("value", [False, True], ids=["policy", "critic"])
+def test_activation_checkpointing_recomputes_the_layers_and_keeps_the_gradients(
+        world, tiny_model_dir, value):
+    class ValueMSE(TokenNLL):
+        def loss(self, out, mb):
+            mask = mb["loss_mask"].float()
+            return LossOutput(loss_sum=((out.values - 1) ** 2 * mask).sum(),
+                              normalizer=mask.sum(), unit="tokens")
+
+    grads, calls = {}, {}
+    for on in (False, True):
+        torch.manual_seed(0)
+        e = TrainEngine(tiny_model_dir, TrainConfig(activation_checkpointing=on), value=value)
+        mlp = (e.model.backbone if value else e.model.model).layers[0].mlp
+        calls[on] = []
+        mlp.register_forward_pre_hook(lambda *_: calls[on].append(1))  # noqa: B023
+        batch = fixed_batch(e.model.config.vocab_size)[:2]
+        e.train(batch, ValueMSE() if value else TokenNLL())
+        grads[on] = e.full_grads()
+    assert len(calls[True]) == 2 * len(calls[False])  # forward, and again in backward
+    for name, grad in grads[False].items():
+        torch.testing.assert_close(grads[True][name], grad, rtol=1e-5, atol=1e-7)
+
+
+def test_a_bf16_engine_computes_every_module_in_bf16(world, tiny_model_dir):
+    """The layers and the root's own modules (embeddings, final norm) run on bf16 weights."""
+    e = engine(tiny_model_dir, dtype="bfloat16")
+    seen = {}
+
+    def record(name):
+        def hook(module, args, out):
+            seen.setdefault(name, (module.weight.dtype, out.dtype))
+        return hook
+
+    for name, module in (("embed", e.model.model.embed_tokens),
+                         ("mlp", e.model.model.layers[0].mlp.down_proj)):
+        module.register_forward_hook(record(name))
+    e.train(fixed_batch(e.model.config.vocab_size), TokenNLL())
+    assert seen == {"embed": (torch.bfloat16, torch.bfloat16),
+                    "mlp": (torch.bfloat16, torch.bfloat16)}
+
+
+def test_mfu_is_six_flops_per_parameter_and_token_over_the_measured_rate(world, tiny_model_dir,
+                                                                         monkeypatch):
+    """MFU as the field defines it (6 N FLOPs per trained token: forward and backward) over the
+    GEMM rate measured for this model in the dtype in use, measured once."""
+    from transformers import AutoModelForCausalLM
+
+    from areal_flow.runtime import engine as engine_module
+
+    asked = []
+
+    def rate(model, dtype, device="cpu"):
+        asked.append((str(model), dtype))
+        return 1e12
+
+    monkeypatch.setattr(engine_module, "gemm_rate", rate)
+    e = engine(tiny_model_dir)
+    n = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_model_dir).parameters())
+    assert e.mfu(tokens=1000, seconds=2.0) == pytest.approx(6 * n * 1000 / 2.0 / 1e12)
+    assert e.mfu(tokens=500, seconds=2.0) == pytest.approx(6 * n * 500 / 2.0 / 1e12)
+    assert asked == [(str(tiny_model_dir), "float32")]
+
+
+def test_the_optimizer_settings_reach_adamw(world, tiny_model_dir):
+    custom = TrainEngine(tiny_model_dir, TrainConfig(optim=OptimizerConfig(
+        lr=3e-3, betas=(0.8, 0.95), weight_decay=0.1)))
+    group = custom.optimizer.param_groups[0]
+    assert (group["lr"], tuple(group["betas"]), group["weight_decay"]) == (3e-3, (0.8, 0.95), 0.1)
+
+
+def test_auto_precision_measures_this_models_shapes(world, tiny_model_dir):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(tiny_model_dir)
+    e = engine(tiny_model_dir, dtype="auto")
+    assert set(e.precision.seconds) == {"float32", "bfloat16"}
+    assert e.precision.shape[1:3] == (config.hidden_size, config.intermediate_size)
