@@ -926,3 +926,105 @@ def test_closing_the_pool_ends_its_running_requests_and_counts_each_dead_server(
                 run(closed_meanwhile())
         finally:
             pool.close()
+
+
+def empty_abort(reply, status=None):
+    """A reply aborted before its first token (`status`: the error status SGLang gave)."""
+    reply["output_ids"], reply["text"] = [], ""
+    finish = {"type": "abort", "message": "aborted"}
+    if status is not None:
+        finish["status_code"] = status
+    reply["meta_info"].update(output_token_logprobs=[], weight_versions=[],
+                              finish_reason=finish)
+    return reply
+
+
+@pytest.mark.faults
+def test_a_server_that_keeps_aborting_fails_the_request_after_the_retries(tiny_model_dir):
+    """Aborts nobody here asked for are stalls: the request is sent again `retries` times, then
+    fails naming the server; an abort with an error status fails it at once."""
+    middleware, calls = edited_replies(lambda reply, k: empty_abort(reply))
+    with served_through(tiny_model_dir, middleware) as (address, _):
+        pool = SGLangPool([address], retries=2)
+
+        async def bounded():  # a pool that retried forever would fail the test, not hang it
+            return await asyncio.wait_for(pool.generate(greedy(prompts(1)[0], 4)), 60)
+
+        try:
+            with pytest.raises(GenerationError, match="keeps aborting"):
+                run(bounded())
+            assert len(calls) == 3 and pool.stats()["resubmissions"] == 2
+        finally:
+            pool.close()
+    for status in (400, 503):
+        middleware, calls = edited_replies(lambda reply, k: empty_abort(reply, status))  # noqa
+        with served_through(tiny_model_dir, middleware) as (address, _):
+            pool = SGLangPool([address], retries=2)
+            try:
+                with pytest.raises(GenerationError, match=f"aborted request .*\\({status}\\)"):
+                    run(pool.generate(greedy(prompts(1)[0], 4)))
+                assert len(calls) == 1
+            finally:
+                pool.close()
+
+
+def test_an_interruption_by_the_pools_own_pause_is_no_stall(tiny_model_dir):
+    """With no retries left, a request the pool itself interrupted still completes after
+    `resume`, continuing from its tokens."""
+    prompt = prompts(1)[0]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    with served_through(tiny_model_dir) as (address, _):
+        pool = SGLangPool([address], retries=0)
+        try:
+            async def interrupted():
+                task = asyncio.ensure_future(pool.generate(greedy(prompt, 200)))
+                await asyncio.sleep(0.3)
+                await asyncio.to_thread(pool.pause)
+                await asyncio.to_thread(pool.resume)
+                return await asyncio.wait_for(task, 60)
+
+            out = run(interrupted())
+            assert pool.stats()["resubmissions"] == 1
+        finally:
+            pool.close()
+    assert list(out.token_ids) == greedy_reference(model, prompt, 200)
+
+
+@pytest.mark.faults
+def test_with_no_server_in_rotation_a_request_waits_then_fails_naming_the_timeout(
+        tiny_model_dir):
+    with served_through(tiny_model_dir) as (address, stop):
+        pool = SGLangPool([address], no_server_timeout=2)
+        try:
+            stop()
+
+            async def bounded():
+                return await asyncio.wait_for(pool.generate(greedy(prompts(1)[0], 4)), 60)
+
+            began = time.monotonic()
+            with pytest.raises(GenerationError, match="no SGLang server in rotation for 2 s"):
+                run(bounded())
+            assert 2 <= time.monotonic() - began < 30
+        finally:
+            pool.close()
+
+
+@pytest.mark.faults
+def test_an_episodes_next_turn_leaves_its_server_once_that_is_out(tiny_model_dir):
+    """Turns of an episode stick to one server while it is in rotation; when it stops
+    answering, the next turn goes to another."""
+    prompt = prompts(1)[0]
+    with served_through(tiny_model_dir) as (a, stop_a), \
+            served_through(tiny_model_dir) as (b, stop_b):
+        pool = SGLangPool([a, b], retries=2, no_server_timeout=10)
+        stops = {a: stop_a, b: stop_b}
+        try:
+            run(pool.generate(greedy(prompt, 3, episode_id="e")))
+            [first] = [s for s, n in routed(pool).items() if n == 1]
+            stops[first]()
+            out = run(pool.generate(greedy(prompt, 3, episode_id="e")))
+            assert len(out.token_ids) == 3
+            assert [s["address"] for s in pool.servers() if s["in_rotation"]] == \
+                [s for s in (a, b) if s != first]
+        finally:
+            pool.close()
