@@ -10,10 +10,11 @@ asynchronous rollouts against a generation pool, FSDP2 training, weight sync.
     torchrun --nproc-per-node 8 recipes/gsm8k_grpo.py --model Qwen/Qwen2.5-1.5B-Instruct \
         --dataset openai/gsm8k --inference.backend sglang --inference.server-gpus 8 9
 
-The loop below is the whole algorithm: rollout → role forwards and advantages → update → weight
-sync → `scheduler.set_version` → eval / checkpoint. Rank 0 drives the rollout; every rank trains.
-The panel and metrics.jsonl show the task's own numbers (`Episode.metrics`, e.g. GSM8K's
-accuracy); run folders are runs/<task>_<algorithm>-<time>.
+The loop below is the whole algorithm, a line per station: rollout → role forwards →
+advantages → update → weight sync → `scheduler.set_version` (then metrics, eval, checkpoint).
+Rank 0 drives the rollout; every rank trains. The panel and metrics.jsonl show the task's own
+numbers (`Episode.metrics`, e.g. GSM8K's accuracy); run folders are
+runs/<task>_<algorithm>-<time>.
 """
 
 from __future__ import annotations
@@ -113,8 +114,11 @@ def main(cfg: Config) -> None:
                 session.stop_before(step, wait.failure)  # a checkpoint of where it stands
                 break
             batch, rolled = wait.batch, time.perf_counter()
-            # role forwards (critic values, ref and teacher logprobs) → advantages → update(s)
-            stats = trainer.train(batch, algorithm, critic=critic, ref=ref, teacher=teacher)
+            # role forwards: pi_prox, critic values, ref and teacher log-probs, as it needs
+            shard = trainer.role_forwards(batch, algorithm, critic=critic, ref=ref,
+                                          teacher=teacher)
+            shard = trainer.advantages(shard, algorithm)  # on rank 0, over the whole batch
+            stats = trainer.update(shard, algorithm, critic=critic)  # the optimizer step(s)
             trained = time.perf_counter()
             failure = None  # what ends the run after this step trained: checkpoint it first
             try:

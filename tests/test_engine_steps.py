@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import attrs
 import pytest
 import torch
 
@@ -615,3 +616,30 @@ def test_auto_precision_measures_this_models_shapes(world, tiny_model_dir):
     e = engine(tiny_model_dir, dtype="auto")
     assert set(e.precision.seconds) == {"float32", "bfloat16"}
     assert e.precision.shape[1:3] == (config.hidden_size, config.intermediate_size)
+
+
+def test_the_stations_one_by_one_take_trains_step(world, tiny_model_dir):
+    """role_forwards → advantages → update is `train`; an algorithm without roles keeps rank
+    0's batch whole until its advantages (no round trip), one with roles runs them first."""
+    from areal_flow.algorithms.grpo import GRPO, GRPOConfig
+    from areal_flow.config import PolicyLossConfig
+
+    for recompute in (False, True):
+        algorithm = GRPO(GRPOConfig(loss=PolicyLossConfig(recompute_proximal=recompute)))
+        by_stations, whole = engine(tiny_model_dir), engine(tiny_model_dir)
+        batch = grpo_batch(by_stations.model.config.vocab_size, flat_groups=[1])
+        shard = by_stations.role_forwards(batch, algorithm)
+        if recompute:
+            assert shard.owned is not None and "prox_logprobs" in shard.rows.keys()
+        else:
+            assert shard.owned is None and shard.rows.batch_size == batch.batch_size
+            assert "advantages" not in shard.rows.keys()
+        with pytest.raises(ValueError, match="takes what advantages"):
+            by_stations.update(shard, algorithm) if shard.owned is None else \
+                by_stations.update(attrs.evolve(shard, owned=None), algorithm)
+        shard = by_stations.advantages(shard, algorithm)
+        assert shard.owned is not None and "advantages" in shard.rows.keys()
+        stats = by_stations.update(shard, algorithm)
+        assert stats == pytest.approx(whole.train(batch, algorithm))
+        a, b = params(by_stations), params(whole)
+        assert max((a[k] - b[k]).abs().max().item() for k in a) == 0.0

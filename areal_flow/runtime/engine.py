@@ -1,8 +1,10 @@
 """The SPMD training engine: a Hugging Face causal LM (or a value model) sharded with FSDP2.
 
 Every rank runs the same code (`torchrun`; one process is a valid world). Rank 0 holds the
-full batch; `train` scatters whole groups balanced by tokens, runs the algorithm's role forwards
-and `advantages` (on rank 0, over the full batch), then its `loss` over micro-batches. Where
+full batch; three stations train on it (`train` runs them in a row): `role_forwards` scatters
+whole groups balanced by tokens and runs the algorithm's role forwards, `advantages` takes the
+algorithm's advantages on rank 0 over the full batch (before the scatter when it has no roles),
+and `update` runs its `loss` over micro-batches and steps the optimizer. Where
 the pieces live: the process group and the batch's way to the ranks and back in
 `distributed.py`, how rows are split into mini- and micro-batches in `microbatch.py`, the
 log-probs of the loss positions in `logprobs.py`, the value model and a LoRA policy's base as
@@ -78,6 +80,21 @@ class TrainConfig:
     lora: LoraConfig = attrs.field(factory=LoraConfig)
     """Train LoRA adapters of the policy instead of every weight (`--train.lora.rank 16`): only
     they are trained, checkpointed and sent to the generation pool (`areal_flow/lora.py`)."""
+
+
+ROLE_OUTPUTS = {"actor": ("prox_logprobs", "logprobs"), "ref": ("ref_logprobs", "logprobs"),
+                "critic": ("values", "values"), "teacher": ("teacher_logprobs", "logprobs")}
+"""Each role's forward: (the batch key it fills, the `forward` output it takes)."""
+
+
+@attrs.define
+class Shard:
+    """A batch between the training stations (`TrainEngine.role_forwards` → `advantages` →
+    `update`): this rank's rows and the row indices every rank owns; before `advantages` of an
+    algorithm without roles, rank 0's whole batch (None on other ranks) and `owned` None."""
+
+    rows: Any
+    owned: list[list[int]] | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -249,11 +266,21 @@ class TrainEngine:
     def train(self, batch: TensorDict | None, algorithm: Algorithm, *,
               critic: TrainEngine | None = None, ref: TrainEngine | None = None,
               teacher: TrainEngine | None = None) -> dict:
-        """One batch: scatter, role forwards, advantages (rank 0), then optimizer steps.
+        """One batch through the three training stations: `role_forwards`, `advantages`,
+        `update` (the recipes call them one by one). Rank 0 passes the full batch; other ranks
+        pass None. If rank 0 passes an exception (its rollout failed), every rank raises it
+        instead of waiting forever."""
+        shard = self.role_forwards(batch, algorithm, critic=critic, ref=ref, teacher=teacher)
+        return self.update(self.advantages(shard, algorithm), algorithm, critic=critic)
 
-        Rank 0 passes the full batch; other ranks pass None. If rank 0 passes an exception
-        (its rollout failed), every rank raises it instead of waiting forever.
-        """
+    def role_forwards(self, batch: TensorDict | None, algorithm: Algorithm, *,
+                      critic: TrainEngine | None = None, ref: TrainEngine | None = None,
+                      teacher: TrainEngine | None = None) -> Shard:
+        """The first training station: rank 0's batch (None on other ranks) goes to the ranks
+        in whole groups, and each role the algorithm names (`Algorithm.roles`: the actor's own
+        pi_prox, a reference, a critic, a teacher) computes its log-probs or values for this
+        rank's rows. An algorithm without roles keeps rank 0's batch whole here, so that its
+        advantages need no round trip through rank 0."""
         engines = {"actor": self, "ref": ref, "critic": critic, "teacher": teacher}
         missing = [role for role in algorithm.roles if engines[role] is None]
         if missing:
@@ -266,16 +293,35 @@ class TrainEngine:
             # task metrics: they are for metrics.jsonl and samples.jsonl and never leave rank 0
             batch = batch.exclude("info", "metrics")
             batch["minibatch"] = minibatch_of_rows(batch["group_ids"], self.config.ppo_minibatches)
-        shard, owned = scatter_groups(batch, self.rank, self.world_size)
-        outputs = {"actor": ("prox_logprobs", "logprobs"), "ref": ("ref_logprobs", "logprobs"),
-                   "critic": ("values", "values"), "teacher": ("teacher_logprobs", "logprobs")}
+        if not algorithm.roles:
+            return Shard(batch)
+        rows, owned = scatter_groups(batch, self.rank, self.world_size)
         for role in algorithm.roles:
-            key, field = outputs[role]
-            shard[key] = engines[role].forward(shard)[field]
-        shard = on_rank0(algorithm.advantages, shard, owned, self.rank, self.world_size)
+            key, field = ROLE_OUTPUTS[role]
+            rows[key] = engines[role].forward(rows)[field]
+        return Shard(rows, owned)
 
+    def advantages(self, shard: Shard, algorithm: Algorithm) -> Shard:
+        """The second station: the algorithm's advantages over the whole batch, on rank 0 (the
+        roles' outputs gathered there first when they ran on several ranks); every rank keeps
+        its own rows."""
+        if shard.owned is None:  # rank 0's whole batch, not scattered yet
+            full = shard.rows
+            if self.rank == 0 and isinstance(full, TensorDict):
+                full = algorithm.advantages(full)
+            return Shard(*scatter_groups(full, self.rank, self.world_size))
+        return Shard(on_rank0(algorithm.advantages, shard.rows, shard.owned, self.rank,
+                              self.world_size), shard.owned)
+
+    def update(self, shard: Shard, algorithm: Algorithm, *,
+               critic: TrainEngine | None = None) -> dict:
+        """The third station: `ppo_minibatches` optimizer steps over this rank's rows (and the
+        critic's, when the algorithm has a `critic_loss`); returns the steps' mean statistics."""
+        if shard.owned is None:
+            raise ValueError("update() takes what advantages() returns")
         stats: dict[str, list[float]] = defaultdict(list)
-        minis = [shard[shard["minibatch"] == k] for k in range(self.config.ppo_minibatches)]
+        rows = shard.rows
+        minis = [rows[rows["minibatch"] == k] for k in range(self.config.ppo_minibatches)]
         for k, mini in enumerate(minis):
             # how far the weights have moved from pi_prox, for version-based approximations
             mini["minibatch_progress"] = torch.full((mini.batch_size[0],), k / len(minis))
