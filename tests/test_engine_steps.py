@@ -343,7 +343,16 @@ def test_one_moving_and_one_skipped_row_take_a_step(world, tiny_model_dir):
     batch["advantages"] = torch.stack([torch.zeros(40), torch.ones(40)])
     stats = e.train(batch, CountingNLL(weighted=True))
     assert (e.steps, stats["skipped_step"], stats["train/skipped_rows"]) == (1, 0.0, 1.0)
-    assert stats["train/micro_batches"] == 1.0
+    # one micro-batch: its statistics are the step's, its tokens fill its budget so far
+    assert (stats["train/micro_batches"], stats["rows"]) == (1.0, 1.0)
+    tokens = int(batch["attention_mask"][1].sum())
+    assert stats["train/mb_fill"] == pytest.approx(tokens / e.config.max_tokens_per_mb)
+
+
+def test_a_batch_without_rows_takes_no_step_and_says_so(world, tiny_model_dir):
+    e = engine(tiny_model_dir)
+    stats = e.train(fixed_batch(e.model.config.vocab_size)[:0], TokenNLL())
+    assert e.steps == 0 and stats == {"skipped_step": 1.0, "lr": pytest.approx(1e-2)}
 
 
 class NaNLossFiniteGradient(TokenNLL):
