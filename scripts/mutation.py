@@ -118,6 +118,8 @@ FUNCTIONS: dict[str, list[str]] = {
 # mutants run at once (default 2, the cores here): more where many mutants hang a test until
 # its timeout, using no CPU while they wait
 CHILDREN: dict[str, int] = {"areal_flow/inference/local.py": 6,
+                            # its tests mostly wait on servers (startup, health, timeouts)
+                            "areal_flow/inference/sglang_pool.py": 4,
                             "areal_flow/inference/sampling.py": 4,
                             "areal_flow/inference/kv_batch.py": 4}
 # statements whose mutants would only change wording (see the module docstring)
