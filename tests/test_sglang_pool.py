@@ -505,8 +505,12 @@ def edited_replies(edit, recorded: dict[str, list] | None = None):
                 message = await receive()
                 body, more = body + message.get("body", b""), message.get("more_body", False)
             recorded[scope["path"]].append(json.loads(body or b"{}"))
+            replayed, receive_rest = [], receive
 
-            async def receive():  # noqa: F811 - the body read above, for the app
+            async def receive():  # noqa: F811 - the body read above once, then the client's
+                if replayed:
+                    return await receive_rest()
+                replayed.append(True)
                 return {"type": "http.request", "body": body, "more_body": False}
         if scope["path"] != "/generate":
             return await app(scope, receive, send)
@@ -914,6 +918,7 @@ def test_closing_the_pool_ends_its_running_requests_and_counts_each_dead_server(
             assert all(len(o.token_ids) == 3 for o in outs)
             assert pool.stats()["dead_servers"] == 2
             assert len(pool._tasks) == tasks  # finished requests leave no task behind
+            assert not any(s.posts for s in pool._servers.values())  # nor calls
 
             async def closed_meanwhile():
                 task = asyncio.ensure_future(pool.generate(
@@ -1026,5 +1031,48 @@ def test_an_episodes_next_turn_leaves_its_server_once_that_is_out(tiny_model_dir
             assert len(out.token_ids) == 3
             assert [s["address"] for s in pool.servers() if s["in_rotation"]] == \
                 [s for s in (a, b) if s != first]
+        finally:
+            pool.close()
+
+
+def test_the_generate_body_says_what_sglang_reads(tiny_model_dir):
+    """max_new_tokens is what is left, no_stop_trim keeps the stop token in the text (as the
+    local engine does), and a seed goes as SGLang's signed int64 for sampled requests only."""
+    recorded = {"/generate": []}
+    middleware, _ = edited_replies(lambda reply, k: reply, recorded)
+    prompt = prompts(1)[0]
+    seeds = [None, 1000, 2**63, 2**63 + 5]
+    with served_through(tiny_model_dir, middleware) as (address, _):
+        pool = SGLangPool([address])
+        try:
+            for seed in seeds:
+                run(pool.generate(req(prompt, max_new_tokens=3, ignore_eos=True,
+                                      temperature=1.0, seed=seed)))
+            run(pool.generate(greedy(prompt, 3, seed=7)))
+        finally:
+            pool.close()
+    bodies = [body["sampling_params"] for body in recorded["/generate"]]
+    assert all(b["max_new_tokens"] == 3 and b["no_stop_trim"] is True for b in bodies)
+    assert [b.get("sampling_seed") for b in bodies] == [None, 1000, -2**63, 5 - 2**63, None]
+
+
+@pytest.mark.faults
+def test_a_generate_call_past_the_request_timeout_takes_its_server_out(tiny_model_dir):
+    async def slow(scope, receive, send, app):
+        if scope["path"] == "/generate":
+            await asyncio.sleep(30)
+        await app(scope, receive, send)
+
+    prompt = prompts(1)[0]
+    with served_through(tiny_model_dir, slow) as (stuck, _), \
+            served_through(tiny_model_dir) as (working, _):
+        pool = SGLangPool([stuck, working], request_timeout=2, no_server_timeout=10)
+        try:
+            began = time.monotonic()
+            outs = generate_all(pool, [greedy(prompt, 3) for _ in range(2)])
+            took = time.monotonic() - began
+            assert all(len(o.token_ids) == 3 for o in outs) and took < 20
+            assert pool.stats()["dead_servers"] == 1
+            assert [s["address"] for s in pool.servers() if s["in_rotation"]] == [working]
         finally:
             pool.close()
