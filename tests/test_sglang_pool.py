@@ -1076,3 +1076,29 @@ def test_a_generate_call_past_the_request_timeout_takes_its_server_out(tiny_mode
             assert [s["address"] for s in pool.servers() if s["in_rotation"]] == [working]
         finally:
             pool.close()
+
+
+def test_a_completion_holds_the_servers_logprobs_text_and_counts(tiny_model_dir):
+    """What the pool returns is what the server generated: each token's log-prob (against a
+    forward pass of the model), the text (the server's, or the pool tokenizer's decoding), the
+    temperature the log-probs are at; `generated_tokens` counts every token of every reply."""
+    prompt = prompts(1)[0]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    with served_through(tiny_model_dir) as (address, _):
+        plain, decoding = SGLangPool([address]), SGLangPool([address], tokenizer=tiny_model_dir)
+        try:
+            outs = [run(p.generate(greedy(prompt, 6))) for p in (plain, decoding)]
+            assert (plain.stats()["generated_tokens"], decoding.stats()["generated_tokens"]) \
+                == (6, 6)
+            run(plain.generate(greedy(prompt, 2)))
+            run(plain.generate(greedy(prompt, 3)))
+            assert plain.stats()["generated_tokens"] == 5
+        finally:
+            plain.close(), decoding.close()
+    tokens = greedy_reference(model, prompt, 6)
+    expected = forward_logprobs(model, prompt, tokens, 1.0)
+    for out in outs:
+        assert list(out.token_ids) == tokens and out.temperature == 1.0
+        torch.testing.assert_close(torch.tensor(out.logprobs), expected, atol=1e-4, rtol=1e-4)
+        assert out.text == tokenizer.decode(tokens, skip_special_tokens=True)
