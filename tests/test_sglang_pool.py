@@ -981,9 +981,14 @@ def test_an_interruption_by_the_pools_own_pause_is_no_stall(tiny_model_dir):
     with served_through(tiny_model_dir) as (address, _):
         pool = SGLangPool([address], retries=0)
         try:
+            def generating() -> bool:
+                with httpx.Client(timeout=10) as client:
+                    load = client.get(f"http://{address}/get_load").json()["requests"]
+                return any(n >= 1 for n in load.values())
+
             async def interrupted():
-                task = asyncio.ensure_future(pool.generate(greedy(prompt, 200)))
-                await asyncio.sleep(0.3)
+                task = asyncio.ensure_future(pool.generate(greedy(prompt, 400)))
+                await asyncio.to_thread(wait_for, generating, what="the request to run")
                 await asyncio.to_thread(pool.pause)
                 await asyncio.to_thread(pool.resume)
                 return await asyncio.wait_for(task, 60)
@@ -992,7 +997,7 @@ def test_an_interruption_by_the_pools_own_pause_is_no_stall(tiny_model_dir):
             assert pool.stats()["resubmissions"] == 1
         finally:
             pool.close()
-    assert list(out.token_ids) == greedy_reference(model, prompt, 200)
+    assert list(out.token_ids) == greedy_reference(model, prompt, 400)
 
 
 @pytest.mark.faults
