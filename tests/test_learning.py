@@ -124,8 +124,10 @@ def test_ppo_critic_loss_falls_and_the_reward_rises(world, tiny_model_dir):
 
 def test_grpo_learns_from_bf16_rollouts_with_the_correction_auto_chooses(world, tiny_model_dir):
     """Rollouts in bf16 against fp32 training, the recipes' default where bf16 decodes faster:
-    `mismatch_correction` "auto" settles on TIS there, and the reward rises over three seeds as
-    with fp32 rollouts (mean reward over all steps, the area under the curve, within 0.05)."""
+    `mismatch_correction` "auto" settles on TIS there, and the reward rises over five seeds as
+    with fp32 rollouts (mean reward over all steps, the area under the curve, within 0.05;
+    five seeds: at η = 1 thread timing decides which tokens are stale, and three seeds' mean
+    fell under the bound in about one run in four)."""
     from areal_flow.runtime.precision import mismatch_default
 
     loss = PolicyLossConfig(recompute_proximal=False)  # the recipes' setting
@@ -134,7 +136,7 @@ def test_grpo_learns_from_bf16_rollouts_with_the_correction_auto_chooses(world, 
     area = {}
     for dtype, config in (("float32", loss), ("bfloat16", corrected)):
         curves = [run(tiny_model_dir, GRPO(GRPOConfig(loss=config)), eta=1, seed=seed,
-                      dtype=dtype, steps=20) for seed in (0, 1, 2)]
+                      dtype=dtype, steps=20) for seed in range(5)]
         for rewards, stats, _ in curves:
             assert_learned(rewards)
         area[dtype] = sum(sum(r) / len(r) for r, _, _ in curves) / len(curves)
