@@ -13,7 +13,8 @@ In order, each part timed:
    the copy bandwidth that reading the weights once per step uses.
 5. recipes/gsm8k_grpo.py for `--steps` steps under `torchrun --nproc-per-node 1` (bf16 on a GPU,
    rewards that vary so every step trains): s/step, tokens/s, training MFU (the recipe's
-   perf/mfu: 6·params·trained tokens over the GEMM rate of the model's shapes), weight-sync
+   perf/mfu: 6·params·trained tokens over the GEMM rate of the model's shapes; and the same over
+   the device's GEMM peak, worked out here), weight-sync
    seconds, peak GPU memory.
 Writes one JSON report (`--out`; on a GPU benchmarks/results/gpu/report.json) and prints a
 summary; exits 1 when a part failed. TRL is not in the wheel folder (it needs `datasets`, whose
@@ -200,7 +201,7 @@ def bare_step(device: str, model: Path, dtype: str, batch: int, new: int) -> flo
     return (once(new) - once(8)) / (new - 8)
 
 
-def recipe(device: str, model: Path, steps: int, folder: Path) -> dict:
+def recipe(device: str, model: Path, params: int, peak: float, steps: int, folder: Path) -> dict:
     data = folder / "gsm8k.jsonl"
     data.write_text("".join(json.dumps({"question": f"What is {a} plus {b}?",
                                         "answer": f"{a} + {b} = {a + b}\n#### {a + b}"}) + "\n"
@@ -234,13 +235,17 @@ def recipe(device: str, model: Path, steps: int, folder: Path) -> dict:
     # step whose rows were all skipped trains none; the batch's tokens over its few
     # milliseconds of seconds/train once made this mean read 10.8 % on an H200 that gave 1 %)
     mfu = [m["perf/mfu"] for m in steady]
+    # the same, worked out here over the device's GEMM peak (`limits`): the recipe's rate at its
+    # model's shapes once read a twentieth of an H100's peak, and its MFU 16.6 % for 0.8 %
+    of_peak = [6 * params * m["train/tokens"] / (m["seconds/train"] * peak) for m in steady]
     rows = int(shape[1]) * int(shape[3])  # batch size x group size
     trained = sum(m.get("train/skipped_rows", rows) < rows for m in lines)
     return {"passed": True, "steps": len(lines), "trained_steps": trained,
             "seconds_per_step": mean("seconds/step"), "seconds_train": mean("seconds/train"),
             "train_tokens_per_s": mean("tokens_per_second"),
             "generated_tokens_per_s": mean("pool/tokens_per_s"),
-            "training_mfu": statistics.fmean(mfu), "sync_seconds": mean("sync/send_seconds"),
+            "training_mfu": statistics.fmean(mfu), "mfu_of_gemm_peak": statistics.fmean(of_peak),
+            "sync_seconds": mean("sync/send_seconds"),
             "peak_gpu_memory_gb": max((m["memory/peak_gpu_gb"] for m in lines
                                        if "memory/peak_gpu_gb" in m), default=None),
             "peak_rss_gb": max((m["memory/peak_rss_gb"] for m in lines
@@ -285,7 +290,8 @@ def main() -> int:
     model, params = build_model(device, folder)
     report["model"] = {"path": str(model), "parameters": params}
     part("decode", decode, device, model, params, roof["copy_bytes_per_s"], args.profile)
-    part("recipe", recipe, device, model, args.steps, folder)
+    peak = roof[f"gemm_{'bfloat16' if device == 'cuda' else 'float32'}_flops"]
+    part("recipe", recipe, device, model, params, peak, args.steps, folder)
     report["seconds"]["total"] = round(time.perf_counter() - began, 1)
     write()
     print(summary(report, out))
@@ -312,7 +318,8 @@ def summary(r: dict, out: Path) -> str:
                      f"(engine/bare {dec['engine_over_bare']:.2f})")
     if rec.get("passed"):
         lines.append(f"recipe: {rec['seconds_per_step']:.2f} s/step, {rec['trained_steps']} of "
-                     f"{rec['steps']} steps trained, MFU {rec['training_mfu']:.1%}, "
+                     f"{rec['steps']} steps trained, MFU {rec['training_mfu']:.1%} "
+                     f"({rec['mfu_of_gemm_peak']:.1%} of the GEMM peak), "
                      f"{rec['generated_tokens_per_s']:.0f} generated tokens/s, sync "
                      f"{rec['sync_seconds']:.2f} s, peak GPU memory {rec['peak_gpu_memory_gb']} GB")
     else:

@@ -27,6 +27,7 @@ def test_the_cpu_run_of_the_gpu_check_passes_every_part_and_reports_numbers(tmp_
     recipe = report["recipe"]
     assert recipe["passed"] and recipe["steps"] == 5 and recipe["trained_steps"] >= 1
     assert 0 < recipe["training_mfu"] < 1 and recipe["seconds_per_step"] > 0
+    assert 0 < recipe["mfu_of_gemm_peak"] < 1
     assert "recipe:" in done.stdout and "tests: 5/5 passed" in done.stdout
 
 

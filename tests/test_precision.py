@@ -147,6 +147,47 @@ def test_the_mfu_denominator_is_the_probes_rate_in_the_dtype_in_use(monkeypatch,
     assert precision.gemm_rate(tiny_model_dir, "bfloat16") == pytest.approx(flops / 1e-3)
 
 
+
+class _Clock:
+    """A device on a fake clock: a GEMM costs `launch` seconds plus its FLOPs at `rate`, a
+    synchronize `sync` seconds (an H100: about 5 µs to launch, tens of µs to synchronize)."""
+
+    def __init__(self, monkeypatch, rate=1e12, launch=0.0, sync=50e-6):
+        self.now, self.rate, self.launch, self.cost = 0.0, rate, launch, sync
+        monkeypatch.setattr(precision, "time", type("T", (), {"perf_counter": self.read}))
+        monkeypatch.setattr(precision, "F", type("F", (), {"linear": staticmethod(self.linear)}))
+        monkeypatch.setitem(precision.SYNCHRONIZE, "cpu", self.sync)
+        monkeypatch.setattr(precision, "_measured", {})
+
+    def read(self):
+        return self.now
+
+    def linear(self, x, weight):
+        self.now += self.launch + 2 * x.shape[0] * x.shape[1] * weight.shape[0] / self.rate
+        return x
+
+    def sync(self):
+        self.now += self.cost
+
+
+def test_what_a_timing_costs_once_is_not_counted_as_gemm_time(monkeypatch):
+    """Timed once, a GEMM a GPU finishes in microseconds read as a fraction of the device's rate
+    (its synchronize counted as work): an H100's MFU then read 16.6 %."""
+    clock = _Clock(monkeypatch, rate=1e12, sync=50e-6)
+    seconds = precision._seconds((256, 96, 192, 1), torch.device("cpu"))
+    flops = 2 * 256 * 96 * 192
+    assert flops / seconds["float32"] == pytest.approx(clock.rate, rel=0.05)
+    assert flops / seconds["bfloat16"] == pytest.approx(clock.rate, rel=0.05)
+
+
+def test_a_device_that_launches_slower_than_it_multiplies_gets_a_micro_batch_of_rows(
+        monkeypatch, tiny_model_dir):
+    """The MFU denominator on a GPU: 256 rows of the tiny model's shapes take less than the
+    launch; a micro-batch of rows reaches the device's rate."""
+    clock = _Clock(monkeypatch, rate=1e12, launch=5e-6)
+    monkeypatch.setitem(precision.TRAIN_ROWS, "cpu", precision.TRAIN_ROWS["cuda"])
+    assert precision.gemm_rate(tiny_model_dir, "float32") == pytest.approx(clock.rate, rel=0.05)
+
 @pytest.mark.parametrize(("rollouts", "train", "chosen"), [
     ("bfloat16", "float32", "tis"),  # bf16 rollouts' log-probs differ from fp32 training's
     ("float32", "float32", "none"),
