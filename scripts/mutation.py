@@ -77,6 +77,18 @@ MODULES: dict[str, list[str]] = {
             "after_lora_steps_the_engine_generates_what_the_merged_model_does",
             "removing_the_adapter_serves_the_base_model_again",
             "the_engine_refuses_an_adapter_that_does_not_fit")],
+    # the engine's weights and their updates, split out of local.py after its run (its
+    # mutation_equivalent file names their first survivors under local.py's names)
+    "areal_flow/inference/engine_weights.py": [
+        "tests/test_local_engine.py"] + [
+        f"tests/test_runtime_checkpoint.py::test_{name}" for name in (
+            "weight_sync_makes_the_local_engine_match_the_trainer",
+            "an_in_process_engine_generates_from_the_trainers_tensors",
+            "a_copied_update_after_sharing_leaves_the_trainers_tensors_alone")] + [
+        f"tests/test_lora.py::test_{name}" for name in (
+            "after_lora_steps_the_engine_generates_what_the_merged_model_does",
+            "removing_the_adapter_serves_the_base_model_again",
+            "the_engine_refuses_an_adapter_that_does_not_fit")],
     # the sampler and the KV batch, split out of local.py
     "areal_flow/inference/sampling.py": ["--timeout=15", "tests/test_local_engine.py",
                                          "tests/test_decode_paths.py"],

@@ -740,7 +740,7 @@ def test_a_live_update_that_does_not_fit_the_engine_is_copied_not_kept(tiny_mode
             if update == "bucket":
                 state = {"model.norm.weight": state["model.norm.weight"]}
             kept = engine.update_weights(WeightUpdate(version=0, state_dict=state, live=True))
-            assert kept is False and not engine._shared
+            assert kept is False and not engine.weights.shared
             own = engine.model.state_dict()
             for name, tensor in state.items():
                 assert own[name].data_ptr() != tensor.data_ptr()

@@ -114,7 +114,7 @@ def test_after_lora_steps_the_engine_generates_what_the_merged_model_does(traine
     try:
         if how == "live":  # the recipes' in-process path: the trainer's own tensors
             sync = trainer.sync_weights(engine, 3)
-            assert sync["sync/bytes"] == 0 and engine._shared
+            assert sync["sync/bytes"] == 0 and engine.weights.shared
         elif how == "in_memory":
             adapter = {k: t.clone() for k, t in trainer.full_state_dict().items() if is_adapter(k)}
             engine.update_weights(WeightUpdate(version=3, state_dict=adapter,

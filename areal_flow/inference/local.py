@@ -37,9 +37,9 @@ from areal_flow.inference import grouped_attention as grouped_attention_module
 from areal_flow.inference import packed_weights
 from areal_flow.inference.decode_step import DecodeStep
 from areal_flow.inference.decode_step import supports as decode_step_supports
+from areal_flow.inference.engine_weights import EngineWeights
 from areal_flow.inference.kv_batch import KVBatch, left_padded, positions
 from areal_flow.inference.sampling import sample
-from areal_flow.lora import add_adapters, is_adapter, load_adapter, same_shape
 from areal_flow.types import Completion, FinishReason, GenerationRequest, WeightUpdate
 from areal_flow.runtime.precision import CHOICES, choose, read_bandwidth
 
@@ -169,20 +169,7 @@ class LocalEngine:
         self.eos_token_ids = {t for t in [*eos, self.tokenizer.eos_token_id] if t is not None}
         self.pad_token_id = self.tokenizer.pad_token_id or next(iter(self.eos_token_ids), 0)
         self._rng = torch.Generator().manual_seed(seed)
-        self._version = version
-        # Tied tensors (lm_head = embed_tokens) are one weight under several names: receiving
-        # any one of them covers all.
-        storage: dict[int, set[str]] = {}
-        for name, tensor in self.model.state_dict().items():
-            storage.setdefault(tensor.data_ptr(), set()).add(name)
-        self._aliases = {name: frozenset(names) for names in storage.values() for name in names}
-        self._received: set[str] = set()
-        """Tensor names loaded since the version last changed (a bucketed update so far)."""
-        self._shared = False
-        """Whether the model's tensors are another's (a `live` update kept them)."""
-        self.adapter: dict | None = None
-        """The PEFT config of the LoRA layers injected by the first adapter update, else None."""
-        self._repack()
+        self.weights = EngineWeights(self.model, version=version, pack=self.pack_weights)
 
         self._cv = threading.Condition()
         self._waiting: deque[_Sequence] = deque()
@@ -217,7 +204,7 @@ class LocalEngine:
 
     @property
     def version(self) -> int:
-        return self._version
+        return self.weights.version
 
     async def generate(self, request: GenerationRequest) -> Completion:
         seq = self.submit(request)
@@ -285,8 +272,7 @@ class LocalEngine:
     def set_version(self, version: int) -> None:
         """Relabel the loaded weights (SGLang's `/update_weight_version`); tokens generated from
         now on carry `version`."""
-        self._version = version
-        self._received = set()
+        self.weights.relabel(version)
 
     def update_weights(self, update: WeightUpdate) -> bool:
         """Load a state dict or a `save_pretrained` folder; interrupts running requests, which
@@ -301,67 +287,10 @@ class LocalEngine:
         was_paused = self._paused
         self.pause()
         try:
-            if update.lora is not None:
-                kept = self._update_adapter(update)
-                self._repack()
-                return kept
-            if update.state_dict is not None:
-                state = update.state_dict
-            elif update.path is not None:
-                state = AutoModelForCausalLM.from_pretrained(
-                    update.path, dtype=self.model.dtype).state_dict()
-            else:
-                raise ValueError(
-                    "the local engine takes weights as a state dict or a folder; the "
-                    "distributed group path belongs to the SGLang-protocol server"
-                )
-            if self.adapter is not None:
-                raise ValueError("this engine serves a LoRA adapter: it takes adapters "
-                                 "(WeightUpdate.lora), not full weights")
-            received = self._covered(set(state), update.version)
-            kept = update.live and self._keep_tensors(state)
-            if not kept:
-                self._own_tensors()
-                self._load_state_dict(state)
-            self._shared = kept
-            self._received = received if update.version == self._version else set()
-            self._version = update.version
-            self._repack()
+            return self.weights.update(update)
         finally:
             if not was_paused:
                 self.resume()
-        return kept
-
-    def _update_adapter(self, update: WeightUpdate) -> bool:
-        """A LoRA adapter (`WeightUpdate.lora`) over the base model: the engine injects the
-        adapter's layers at the first one and from then on loads only adapter tensors. A `live`
-        state dict holding the trainer's base and adapter tensors is kept, as for full weights.
-        Called paused."""
-        if self.adapter is None:
-            self.adapter = add_adapters(self.model, update.lora)
-            self.model.requires_grad_(False)
-            self._aliases = {name: frozenset([name]) for name in self.model.state_dict()}
-        elif not same_shape(self.adapter, update.lora):
-            raise ValueError(
-                f"this engine's LoRA layers have rank {self.adapter['r']}, alpha "
-                f"{self.adapter['lora_alpha']} on {self.adapter['target_modules']}; an adapter "
-                f"of rank {update.lora['r']}, alpha {update.lora['lora_alpha']} on "
-                f"{update.lora['target_modules']} needs a new engine")
-        state = load_adapter(update.path)[1] if update.path is not None else update.state_dict
-        kept = update.live and self._keep_tensors(state)
-        if not kept:
-            state = {name: t for name, t in state.items() if is_adapter(name)}
-            expected = {name for name in self.model.state_dict() if is_adapter(name)}
-            if set(state) != expected:
-                raise ValueError(f"the adapter does not fit the model's LoRA layers: missing "
-                                 f"{_some(expected - set(state))}, unexpected "
-                                 f"{_some(set(state) - expected)}")
-            self._own_tensors()
-            self._load_state_dict(state)
-        self._shared = kept
-        self._received = set()
-        self._version = update.version
-        return kept
 
     def remove_adapter(self) -> None:
         """Serve the base model again: the adapter's B matrices are zeroed, so its layers add
@@ -369,32 +298,10 @@ class LocalEngine:
         was_paused = self._paused
         self.pause()
         try:
-            self._own_tensors()
-            with torch.no_grad():
-                for name, tensor in self.model.state_dict().items():
-                    if ".lora_B." in name:
-                        tensor.zero_()
-            self._repack()
+            self.weights.remove_adapter()
         finally:
             if not was_paused:
                 self.resume()
-
-    def _repack(self) -> None:
-        """Packed copies of the weights as they are now (called paused, after every change).
-        Tensors kept from a `live` update are their owner's, who may change them in place: the
-        layers read those directly."""
-        if self.pack_weights and not self._shared:
-            packed_weights.pack(self.model)
-        else:
-            packed_weights.unpack(self.model)
-
-    def _own_tensors(self) -> None:
-        """Copies of tensors kept from a `live` update, before writing into them: never write
-        into the tensors of their owner."""
-        if self._shared:
-            self.model.load_state_dict(
-                {k: t.clone() for k, t in self.model.state_dict().items()}, assign=True)
-            self._shared = False
 
     def memory_gb(self) -> float:
         """What the engine's weights hold beyond the trainer's, in GB: its own copy (nothing
@@ -402,7 +309,7 @@ class LocalEngine:
         layers read (`packed_weights`)."""
         packed = sum(m.weight.numel() * m.weight.element_size() for m in self.model.modules()
                      if type(m) is torch.nn.Linear and "forward" in m.__dict__)
-        return ((0 if self._shared else self.weight_bytes) + packed) / 2**30
+        return ((0 if self.weights.shared else self.weight_bytes) + packed) / 2**30
 
     def stats(self) -> dict[str, float]:
         """Counters since the last call, plus current queue sizes."""
@@ -611,7 +518,7 @@ class LocalEngine:
         rows = self._running[first_row:]
         tokens, logprobs = sample(logits, [s.request.sampling for s in rows],
                                   [s.generator for s in rows])
-        version = self._version
+        version = self.weights.version
         for seq, token, logprob in zip(rows, tokens.tolist(), logprobs.tolist()):
             seq.tokens.append(token)
             seq.logprobs.append(logprob)
@@ -661,47 +568,6 @@ class LocalEngine:
         """Keep only `rows` of the running batch."""
         self._running = [self._running[i] for i in rows]
         self._kv.keep(rows)
-
-    def _covered(self, names: set[str], version: int) -> set[str]:
-        """The names received with this update's; refuses an update that names no tensor or one
-        the model lacks (e.g. an "_orig_mod." prefix), and a version change that would leave
-        tensors of the model not sent since the last change."""
-        if not names:
-            raise ValueError("weights do not fit the model: the update holds no tensors")
-        unexpected = names - self._aliases.keys()
-        if unexpected:
-            raise ValueError(f"weights do not fit the model: unexpected names {_some(unexpected)}")
-        received = self._received | names
-        missing = {n for n, aliases in self._aliases.items() if not aliases & received}
-        if missing and version != self._version:
-            raise ValueError(f"weights do not fit the model: version {version} would leave "
-                             f"tensors not updated since version {self._version}: "
-                             f"missing names {_some(missing)}")
-        return received
-
-    def _keep_tensors(self, state) -> bool:
-        """Make the model's parameters and buffers `state`'s tensors, when they all fit."""
-        own = self.model.state_dict()
-        if set(state) != set(own) or any(
-                (t.dtype, t.device, t.shape) != (own[k].dtype, own[k].device, own[k].shape)
-                for k, t in state.items()):
-            return False
-        if any(t.data_ptr() != own[k].data_ptr() for k, t in state.items()):
-            self.model.load_state_dict(state, assign=True)
-            self.model.requires_grad_(False)
-        return True
-
-    def _load_state_dict(self, state_dict) -> None:
-        try:
-            self.model.load_state_dict(state_dict, strict=False)
-        except RuntimeError as exc:  # shape mismatches
-            raise ValueError(f"weights do not fit the model: {exc}") from exc
-
-
-def _some(names: set[str]) -> str:
-    """The first few of `names` and how many there are (a model has hundreds)."""
-    return f"{sorted(names)[:5]} ({len(names)} in all)"
-
 
 def _settle(future: concurrent.futures.Future, outcome: object) -> None:
     """Resolve `future` unless its caller already cancelled it."""

@@ -1,0 +1,172 @@
+"""The local engine's weights and their version: what an update may change, and how.
+
+Full weights come as a state dict or a `save_pretrained` folder, whole or in buckets (calls that
+keep the version accumulate; the call that changes it must complete the model's tensors). A
+`live` update of every tensor, in the model's dtype and device, is kept rather than copied: the
+model then reads its owner's tensors. A LoRA adapter injects its layers at the first adapter
+update; later ones load adapter tensors only. After every change the linear layers' packed
+copies are made again (`packed_weights`). The engine calls these paused.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from areal_flow.inference import packed_weights
+from areal_flow.lora import add_adapters, is_adapter, load_adapter, same_shape
+from areal_flow.types import WeightUpdate
+
+
+class EngineWeights:
+    """The weights of the engine's `model`, the version they carry, and the adapter if any."""
+
+    def __init__(self, model: torch.nn.Module, *, version: int, pack: bool):
+        self.model = model
+        self.version = version
+        self.pack = pack
+        # Tied tensors (lm_head = embed_tokens) are one weight under several names: receiving
+        # any one of them covers all.
+        storage: dict[int, set[str]] = {}
+        for name, tensor in model.state_dict().items():
+            storage.setdefault(tensor.data_ptr(), set()).add(name)
+        self._aliases = {name: frozenset(names) for names in storage.values() for name in names}
+        self._received: set[str] = set()
+        """Tensor names loaded since the version last changed (a bucketed update so far)."""
+        self.shared = False
+        """Whether the model's tensors are another's (a `live` update kept them)."""
+        self.adapter: dict | None = None
+        """The PEFT config of the LoRA layers injected by the first adapter update, else None."""
+        self.repack()
+
+    def relabel(self, version: int) -> None:
+        """The loaded weights carry `version` from now on (SGLang's `/update_weight_version`)."""
+        self.version = version
+        self._received = set()
+
+    def update(self, update: WeightUpdate) -> bool:
+        """Load `update` (see the module); True when its tensors were kept, not copied."""
+        if update.lora is not None:
+            kept = self._update_adapter(update)
+            self.repack()
+            return kept
+        if update.state_dict is not None:
+            state = update.state_dict
+        elif update.path is not None:
+            state = AutoModelForCausalLM.from_pretrained(
+                update.path, dtype=self.model.dtype).state_dict()
+        else:
+            raise ValueError(
+                "the local engine takes weights as a state dict or a folder; the "
+                "distributed group path belongs to the SGLang-protocol server"
+            )
+        if self.adapter is not None:
+            raise ValueError("this engine serves a LoRA adapter: it takes adapters "
+                             "(WeightUpdate.lora), not full weights")
+        received = self._covered(set(state), update.version)
+        kept = update.live and self._keep_tensors(state)
+        if not kept:
+            self._own_tensors()
+            self._load_state_dict(state)
+        self.shared = kept
+        self._received = received if update.version == self.version else set()
+        self.version = update.version
+        self.repack()
+        return kept
+
+    def _update_adapter(self, update: WeightUpdate) -> bool:
+        """A LoRA adapter (`WeightUpdate.lora`) over the base model: its layers are injected at
+        the first one, and from then on only adapter tensors load. A `live` state dict holding
+        the trainer's base and adapter tensors is kept, as for full weights."""
+        if self.adapter is None:
+            self.adapter = add_adapters(self.model, update.lora)
+            self.model.requires_grad_(False)
+            self._aliases = {name: frozenset([name]) for name in self.model.state_dict()}
+        elif not same_shape(self.adapter, update.lora):
+            raise ValueError(
+                f"this engine's LoRA layers have rank {self.adapter['r']}, alpha "
+                f"{self.adapter['lora_alpha']} on {self.adapter['target_modules']}; an adapter "
+                f"of rank {update.lora['r']}, alpha {update.lora['lora_alpha']} on "
+                f"{update.lora['target_modules']} needs a new engine")
+        state = load_adapter(update.path)[1] if update.path is not None else update.state_dict
+        kept = update.live and self._keep_tensors(state)
+        if not kept:
+            state = {name: t for name, t in state.items() if is_adapter(name)}
+            expected = {name for name in self.model.state_dict() if is_adapter(name)}
+            if set(state) != expected:
+                raise ValueError(f"the adapter does not fit the model's LoRA layers: missing "
+                                 f"{_some(expected - set(state))}, unexpected "
+                                 f"{_some(set(state) - expected)}")
+            self._own_tensors()
+            self._load_state_dict(state)
+        self.shared = kept
+        self._received = set()
+        self.version = update.version
+        return kept
+
+    def remove_adapter(self) -> None:
+        """The base model again: the adapter's B matrices are zeroed, so its layers add nothing
+        (they stay, to take the next adapter of the same shape)."""
+        self._own_tensors()
+        with torch.no_grad():
+            for name, tensor in self.model.state_dict().items():
+                if ".lora_B." in name:
+                    tensor.zero_()
+        self.repack()
+
+    def repack(self) -> None:
+        """Packed copies of the weights as they are now (after every change). Tensors kept from
+        a `live` update are their owner's, who may change them in place: the layers read those
+        directly."""
+        if self.pack and not self.shared:
+            packed_weights.pack(self.model)
+        else:
+            packed_weights.unpack(self.model)
+
+    def _own_tensors(self) -> None:
+        """Copies of tensors kept from a `live` update, before writing into them: never write
+        into the tensors of their owner."""
+        if self.shared:
+            self.model.load_state_dict(
+                {k: t.clone() for k, t in self.model.state_dict().items()}, assign=True)
+            self.shared = False
+
+    def _covered(self, names: set[str], version: int) -> set[str]:
+        """The names received with this update's; refuses an update that names no tensor or one
+        the model lacks (e.g. an "_orig_mod." prefix), and a version change that would leave
+        tensors of the model not sent since the last change."""
+        if not names:
+            raise ValueError("weights do not fit the model: the update holds no tensors")
+        unexpected = names - self._aliases.keys()
+        if unexpected:
+            raise ValueError(f"weights do not fit the model: unexpected names {_some(unexpected)}")
+        received = self._received | names
+        missing = {n for n, aliases in self._aliases.items() if not aliases & received}
+        if missing and version != self.version:
+            raise ValueError(f"weights do not fit the model: version {version} would leave "
+                             f"tensors not updated since version {self.version}: "
+                             f"missing names {_some(missing)}")
+        return received
+
+    def _keep_tensors(self, state) -> bool:
+        """Make the model's parameters and buffers `state`'s tensors, when they all fit."""
+        own = self.model.state_dict()
+        if set(state) != set(own) or any(
+                (t.dtype, t.device, t.shape) != (own[k].dtype, own[k].device, own[k].shape)
+                for k, t in state.items()):
+            return False
+        if any(t.data_ptr() != own[k].data_ptr() for k, t in state.items()):
+            self.model.load_state_dict(state, assign=True)
+            self.model.requires_grad_(False)
+        return True
+
+    def _load_state_dict(self, state_dict) -> None:
+        try:
+            self.model.load_state_dict(state_dict, strict=False)
+        except RuntimeError as exc:  # shape mismatches
+            raise ValueError(f"weights do not fit the model: {exc}") from exc
+
+
+def _some(names: set[str]) -> str:
+    """The first few of `names` and how many there are (a model has hundreds)."""
+    return f"{sorted(names)[:5]} ({len(names)} in all)"
