@@ -155,7 +155,6 @@ class _Active:
     wire_rid: str | None = None
     posted: bool = False
     cancelled: bool = False
-    attempts: int = 0
     failures: int = 0
     """Server failures since the last token received."""
     stalls: int = 0
@@ -606,7 +605,6 @@ class SGLangPool:
             if self._paused:  # paused while waiting for a server: wait for resume first
                 continue
             active.wire_rid = f"{uuid.uuid4().hex}-{active.request.rid}"
-            active.attempts += 1
             active.server, active.posted = server, True
             epoch, sent_at = self._epoch, self._version
             server.inflight += 1
