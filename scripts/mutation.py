@@ -133,6 +133,7 @@ FUNCTIONS: dict[str, list[str]] = {
 # mutants run at once (default 2, the cores here): more where many mutants hang a test until
 # its timeout, using no CPU while they wait
 CHILDREN: dict[str, int] = {"areal_flow/inference/local.py": 6,
+                            "areal_flow/inference/engine_weights.py": 6,
                             # its tests mostly wait on servers (startup, health, timeouts)
                             "areal_flow/inference/sglang_pool.py": 4,
                             "areal_flow/inference/sampling.py": 4,
