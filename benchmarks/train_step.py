@@ -14,7 +14,8 @@ memory is its own:
                    no forward/backward for rows whose advantages are all zero; fused AdamW;
                    freed tensors returned to the OS; 512-token micro-batches (the recipes');
                    rows packed end to end (no padding; off: right-padded rows, micro-batches
-                   of length-sorted rows under rows x longest <= 512)
+                   of length-sorted rows under rows x longest <= 512); each row of a pack
+                   attending on its own (off: the pack's block-diagonal mask)
   - X              the defaults without X
   + act. ckpt      the defaults with activation checkpointing
 
@@ -37,10 +38,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import main, markdown_table  # noqa: E402
 
 SAVINGS = ["loss positions", "skip flat rows", "fused AdamW", "freed memory", "512-token mb",
-           "packing"]
+           "packing", "row attention"]
 CONFIGS = {"before": set(), "defaults": set(SAVINGS),
            **{f"- {x}": set(SAVINGS) - {x} for x in SAVINGS},
-           "+ act. ckpt": {*SAVINGS, "act. ckpt"}}
+           "+ act. ckpt": {*SAVINGS, "act. ckpt"},
+           # one pack of the whole batch ("- 512-token mb"), attended through its mask
+           "- 512-token mb - row attention": set(SAVINGS) - {"512-token mb", "row attention"}}
 
 
 def batch(vocab: int, prompts: int = 2, group: int = 8, prompt_len: int = 200,
@@ -130,6 +133,7 @@ def one(model: str, name: str, steps: int) -> dict:
     engine = (TrainEngine if "loss positions" in on else FullHead)(model, TrainConfig(
         optim=OptimizerConfig(lr=1e-6), dtype="auto",
         max_tokens_per_mb=512 if "512-token mb" in on else 8192,
+        packed_attention="row attention" in on,
         activation_checkpointing="act. ckpt" in on))
     if "fused AdamW" not in on:
         engine.optimizer = torch.optim.AdamW(engine.model.parameters(), lr=1e-6, foreach=True)

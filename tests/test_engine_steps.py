@@ -144,17 +144,29 @@ def test_fused_adamw_takes_the_step_of_the_reference_implementation(world, tiny_
     assert max((a[k] - start[k]).abs().max().item() for k in a) > 1e-3  # it moved
 
 
+@pytest.mark.parametrize("packed_attention", [True, False], ids=["row-attention", "mask"])
 @pytest.mark.parametrize("value", [False, True], ids=["policy", "critic"])
-def test_rows_packed_into_one_micro_batch_get_what_each_gets_alone(world, tiny_model_dir, value):
-    """A micro-batch's rows reach the model packed end to end: no row may see another's tokens.
-    Each row alone (one row: nothing packed, no padding) is the reference, for the outputs and
-    for the gradients of a loss over them."""
-    e = TrainEngine(tiny_model_dir, TrainConfig(), value=value)
+def test_rows_packed_into_one_micro_batch_get_what_each_gets_alone(world, tiny_model_dir, value,
+                                                                   packed_attention, monkeypatch):
+    """A micro-batch's rows reach the model packed end to end: no row may see another's tokens,
+    whether each row attends on its own (`packed_attention`) or through the block-diagonal mask.
+    Each row alone (one row: nothing packed, no padding) through transformers' own attention is
+    the reference, for the outputs and for the gradients of a loss over them."""
+    from areal_flow.runtime import packed_attention as module
+
+    torch.manual_seed(0)  # the critic's value head
+    e = TrainEngine(tiny_model_dir, TrainConfig(packed_attention=packed_attention), value=value)
+    torch.manual_seed(0)
+    reference = TrainEngine(tiny_model_dir, TrainConfig(packed_attention=False), value=value)
+    rows_attended = []
+    real = module.F.scaled_dot_product_attention
+    monkeypatch.setattr(module.F, "scaled_dot_product_attention",
+                        lambda q, *a, **k: rows_attended.append(q.shape[2]) or real(q, *a, **k))
     batch = fixed_batch(e.model.config.vocab_size)[:5]
     assert len(set(batch["attention_mask"].sum(-1).tolist())) == 5  # rows of different lengths
     weights = torch.randn(batch["input_ids"].shape, generator=torch.Generator().manual_seed(1))
 
-    def run(mb):
+    def run(mb, e=e):
         out = e.outputs(mb, entropy="grad")
         got = out.values if value else torch.stack([out.logprobs, out.entropy])
         (got * weights[mb["row"]]).sum().backward()
@@ -164,10 +176,13 @@ def test_rows_packed_into_one_micro_batch_get_what_each_gets_alone(world, tiny_m
     e.model.zero_grad()
     packed = run(batch)
     packed_grads = {n: p.grad.clone() for n, p in e.model.named_parameters()}
-    e.model.zero_grad()
-    alone = torch.cat([run(batch[i : i + 1]) for i in range(5)], dim=-2)
+    # with packed attention each layer attended each row on its own, else the pack at once
+    lengths = batch["attention_mask"].sum(-1).tolist()
+    layers = e.model.config.num_hidden_layers
+    assert rows_attended == (lengths * layers if packed_attention else [sum(lengths)] * layers)
+    alone = torch.cat([run(batch[i : i + 1], reference) for i in range(5)], dim=-2)
     torch.testing.assert_close(packed, alone, atol=1e-5, rtol=1e-5)
-    for name, p in e.model.named_parameters():
+    for name, p in reference.model.named_parameters():
         torch.testing.assert_close(p.grad, packed_grads[name], atol=1e-5, rtol=1e-5, msg=name)
 
 

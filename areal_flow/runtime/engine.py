@@ -38,6 +38,7 @@ from areal_flow.config import OptimizerConfig
 from areal_flow.lora import LoraConfig, add_adapters, is_adapter
 from areal_flow.runtime.distributed import (init_distributed, on_rank0, same_on_all_ranks,
                                             scatter_groups)
+from areal_flow.runtime import packed_attention
 from areal_flow.runtime.layout import PackedRows
 from areal_flow.runtime.logprobs import EntropyMode, LossPositions, loss_position_head
 from areal_flow.runtime.microbatch import micro_batches, minibatch_of_rows, split_to_count
@@ -56,9 +57,9 @@ class TrainConfig:
 
     optim: OptimizerConfig = attrs.field(factory=OptimizerConfig)
     max_tokens_per_mb: int = attrs.field(default=8192, validator=v.ge(1))
-    """Tokens per micro-batch (its rows packed end to end, no padding: `layout.py`). Keep it small
-    on a CPU: sdpa attends through the packs' dense block-diagonal mask, quadratic in a pack's
-    tokens (benchmarks/README.md)."""
+    """Tokens per micro-batch (its rows packed end to end, no padding: `layout.py`; each row
+    attends on its own, `packed_attention`). Larger packs mean fewer gradient accumulations and
+    more activation memory (benchmarks/README.md, "Training step")."""
     ppo_minibatches: int = attrs.field(default=1, validator=v.ge(1))
     """Optimizer steps per batch; the batch's groups are split evenly between them."""
     dtype: Literal["auto", "float32", "bfloat16"] = attrs.field(
@@ -74,6 +75,9 @@ class TrainConfig:
     once, after it; FSDP2 would otherwise cast and copy every parameter again for each
     micro-batch's forward and backward (30 % of a SmolLM2 step at 512-token micro-batches).
     Costs a bf16 copy of the weights during the step. Off: for comparisons."""
+    packed_attention: bool = True
+    """Each row of a packed micro-batch attends on its own (`packed_attention.py`) instead of
+    through a block-diagonal mask over the whole pack. Off: for comparisons."""
     skip_nonfinite: bool = False
     """Skip an optimizer step whose loss or gradient norm is NaN/inf (with a warning; counted in
     `skipped_step`) instead of stopping the run with an error naming the step."""
@@ -140,6 +144,8 @@ class TrainEngine:
         """The PEFT config of the policy's LoRA adapters (`TrainConfig.lora`), else None."""
         if config.lora.enabled and trainable and not value:
             self.adapter = add_adapters(module, config.lora.peft_dict())
+        if config.packed_attention:
+            packed_attention.use(module.backbone if value else module)
         if config.activation_checkpointing:
             (module.backbone if value else module).activation_checkpointing_enable()
         # training mode: transformers recomputes checkpointed layers only when `module.training`

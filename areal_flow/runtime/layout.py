@@ -14,6 +14,8 @@ from __future__ import annotations
 import attrs
 import torch
 
+from areal_flow.runtime.packed_attention import LENGTHS
+
 
 @attrs.frozen
 class PackedRows:
@@ -44,7 +46,10 @@ class PackedRows:
         """Keyword arguments of a transformers model's forward for the packed row. No cache:
         with one, transformers does not look for restarting positions and every token would
         attend to the rows packed before its own."""
-        return {"input_ids": self.input_ids, "position_ids": self.position_ids, "use_cache": False}
+        return {"input_ids": self.input_ids, "position_ids": self.position_ids, "use_cache": False,
+                # each row's tokens, for attention one row at a time (`packed_attention.py`;
+                # other attention functions ignore it)
+                LENGTHS: tuple(n for n in self.lengths.tolist() if n)}
 
     def index(self, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
         """Positions in the packed row of padded (row, column) pairs (real tokens only)."""
