@@ -80,8 +80,9 @@ MODULES: dict[str, list[str]] = {
     # the engine's weights and their updates, split out of local.py after its run (its
     # mutation_equivalent file names their first survivors under local.py's names)
     "areal_flow/inference/engine_weights.py": [
-        "tests/test_local_engine.py"] + [
+        "tests/test_local_engine.py", "tests/test_decode_paths.py"] + [
         f"tests/test_runtime_checkpoint.py::test_{name}" for name in (
+            "the_memory_parts_are_the_weights_gradients_moments_and_the_engines_copies",
             "weight_sync_makes_the_local_engine_match_the_trainer",
             "an_in_process_engine_generates_from_the_trainers_tensors",
             "a_copied_update_after_sharing_leaves_the_trainers_tensors_alone")] + [
