@@ -6,10 +6,13 @@ the pack's tokens, though each token attends only within its own row, and on a C
 walks every masked block. Measured on SmolLM2's shape (bf16, 2 cores): the attention backward was
 the largest operation of a training step after the matrix products, and a 4,096-token pack
 trained slower than seven 512-token ones. Here each row of the pack attends on its own, causally,
-with no mask: the same numbers (`tests/test_packed_attention.py`), work quadratic in each row's
-tokens only. The rows' lengths come with the forward's keyword arguments (`LENGTHS`, from
-`PackedRows.model_inputs`), which transformers hands to the attention function; a forward without
-them (or with a cache) takes transformers' masked sdpa, as before.
+with no mask: the same numbers (`tests/test_engine_steps.py`), work quadratic in each row's
+tokens only. Where that saves less than half the mask's work (a pack of one or two rows: the
+separate calls and the copies that join their outputs cost more than they save; a 512-token pack
+of about two rows trained 10 % slower so), and in a forward without the rows' lengths (or with a
+cache), transformers' masked sdpa runs, as before. The lengths come with the forward's keyword
+arguments (`LENGTHS`, from `PackedRows.model_inputs`), which transformers hands to the attention
+function.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ def packed_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
     """transformers' attention-function contract: query (1, heads, tokens, dim), key and value
     (1, kv heads, tokens, dim); returns (1, tokens, heads, dim)."""
     lengths = kwargs.pop(LENGTHS, None)
-    if lengths is None or query.shape[0] != 1 or key.shape[2] != query.shape[2]:
+    if lengths is None or query.shape[0] != 1 or key.shape[2] != query.shape[2] or \
+            2 * sum(n * n for n in lengths) > query.shape[2] ** 2:  # saves under half the work
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
