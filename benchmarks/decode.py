@@ -48,7 +48,7 @@ from engine import in_own_thread, smollm2_sized
 
 PROMPT, WARMUP = 60, 3
 OPTIONS = {"engine": {}, "engine, hosted off": {"hosted": False},
-           "engine, fused_decode on": {"fused_decode": True},
+           "engine, fused_decode off": {"fused_decode": False},
            "engine, kv_slots off": {"kv_slots": False},
            "engine, pack_weights off": {"pack_weights": False},
            "engine, grouped_attention off": {"grouped_attention": False},

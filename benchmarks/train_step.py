@@ -164,7 +164,7 @@ def run(quick: bool = False) -> dict:
         for model, path in models.items():
             for name in CONFIGS:
                 out = subprocess.run([sys.executable, __file__, "--one", str(path), name,
-                                      "5" if model == "tiny" else "1"],
+                                      "5" if model == "tiny" else "3"],
                                      capture_output=True, text=True, check=True)
                 rows.append({"model": model, **json.loads(out.stdout.splitlines()[-1])})
     return {"benchmark": "train_step", "rows": rows, "torch_threads": torch.get_num_threads(),

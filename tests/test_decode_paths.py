@@ -185,9 +185,9 @@ def test_the_fused_decode_step_generates_what_transformers_forward_does(tiny_mod
     """Bit for bit: the same tokens and the same log-probs, through rows of two prompt lengths
     (masked attention), a row joining late and a weight update mid-run (in bf16 on this CPU the
     layers read packed weights, repacked after the update)."""
-    fused, engine = interrupted_run(tiny_model_dir, dtype=dtype, fused_decode=True)
+    fused, engine = interrupted_run(tiny_model_dir, dtype=dtype)  # the default
     assert engine._decode_step is not None  # on a CPU for a Llama model
-    plain, engine = interrupted_run(tiny_model_dir, dtype=dtype)
+    plain, engine = interrupted_run(tiny_model_dir, dtype=dtype, fused_decode=False)
     assert engine._decode_step is None
     for a, b in zip(fused, plain, strict=True):
         assert (a.token_ids, a.logprobs, a.versions) == (b.token_ids, b.logprobs, b.versions)
