@@ -154,6 +154,47 @@ def test_least_loaded_routing_and_sticky_episodes(addrs, tiny_model_dir):
         pool.close()
 
 
+def test_the_sticky_table_forgets_the_oldest_episode_past_its_capacity(addrs, tiny_model_dir):
+    """A pool remembers the server of its `sticky_capacity` most recent episodes: an episode
+    older than those is routed as a new one (least routed), a recent one still goes back to its
+    server, however loaded (mutation testing left the eviction unchecked)."""
+    pool = SGLangPool([addrs["A"], addrs["B"]], sticky_capacity=2)
+
+    def went_to(episode):
+        before = routed(pool)
+        run(pool.generate(greedy(prompts(1)[0], 2, episode_id=episode)))
+        return next(k for k, v in routed(pool).items() if v > before[k])
+
+    try:
+        pool.update_weights(WeightUpdate(version=1, path=str(tiny_model_dir)))
+        first = went_to("e1")
+        assert {went_to("e1"), went_to("e1")} == {first}  # sticky: routed 3 to 0
+        other = next(a for a in routed(pool) if a != first)
+        assert went_to("e2") == went_to("e3") == other  # the least routed; e1 is forgotten
+        assert went_to("e1") == other  # routed as new: 3 to 2 (remembered, it went to `first`)
+        assert went_to("e1") == other  # remembered again, and e2 forgotten
+        assert went_to("e3") == other  # e3 still remembered, though its server is the busier
+    finally:
+        pool.close()
+
+
+def test_a_sampled_completion_is_at_its_temperature(tiny_model_dir):
+    """A sampled request's log-probs are at its temperature and its completion says so: the
+    trainer divides its logits by it (a completion left at the default 1.0 would train
+    against the wrong distribution)."""
+    prompt = prompts(1)[0]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    with served_through(tiny_model_dir) as (address, _):
+        pool = SGLangPool([address])
+        try:
+            out = run(pool.generate(req(prompt, temperature=0.7, max_new_tokens=5, seed=3)))
+        finally:
+            pool.close()
+    assert out.temperature == 0.7
+    expected = forward_logprobs(model, prompt, list(out.token_ids), 0.7)
+    torch.testing.assert_close(torch.tensor(out.logprobs), expected, atol=1e-4, rtol=1e-4)
+
+
 def test_a_failed_weight_update_keeps_the_version_and_generation_going(addrs, tmp_path,
                                                                        tiny_model_dir):
     pool = SGLangPool([addrs["A"], addrs["B"]])
