@@ -14,8 +14,8 @@ memory is its own:
                    no forward/backward for rows whose advantages are all zero; fused AdamW;
                    freed tensors returned to the OS; 512-token micro-batches (the recipes');
                    rows packed end to end (no padding; off: right-padded rows, micro-batches
-                   of length-sorted rows under rows x longest <= 512); each row of a pack
-                   attending on its own (off: the pack's block-diagonal mask)
+                   of length-sorted rows under rows x longest <= 512)
+  + row attention  each row of a pack attending on its own (TrainConfig.packed_attention)
   - X              the defaults without X
   + act. ckpt      the defaults with activation checkpointing
 
@@ -38,12 +38,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import main, markdown_table  # noqa: E402
 
 SAVINGS = ["loss positions", "skip flat rows", "fused AdamW", "freed memory", "512-token mb",
-           "packing", "row attention"]
+           "packing"]
 CONFIGS = {"before": set(), "defaults": set(SAVINGS),
            **{f"- {x}": set(SAVINGS) - {x} for x in SAVINGS},
            "+ act. ckpt": {*SAVINGS, "act. ckpt"},
-           # one pack of the whole batch ("- 512-token mb"), attended through its mask
-           "- 512-token mb - row attention": set(SAVINGS) - {"512-token mb", "row attention"}}
+           "+ row attention": {*SAVINGS, "row attention"},
+           # one pack of the whole batch, each row attending on its own (off: "- 512-token mb")
+           "- 512-token mb + row attention": (set(SAVINGS) - {"512-token mb"}) | {
+               "row attention"}}
 
 
 def batch(vocab: int, prompts: int = 2, group: int = 8, prompt_len: int = 200,

@@ -57,9 +57,9 @@ class TrainConfig:
 
     optim: OptimizerConfig = attrs.field(factory=OptimizerConfig)
     max_tokens_per_mb: int = attrs.field(default=8192, validator=v.ge(1))
-    """Tokens per micro-batch (its rows packed end to end, no padding: `layout.py`; each row
-    attends on its own, `packed_attention`). Larger packs mean fewer gradient accumulations and
-    more activation memory (benchmarks/README.md, "Training step")."""
+    """Tokens per micro-batch (its rows packed end to end, no padding: `layout.py`). Keep it small
+    on a CPU unless `packed_attention` is on: sdpa attends through the packs' dense
+    block-diagonal mask, quadratic in a pack's tokens (benchmarks/README.md, "Training step")."""
     ppo_minibatches: int = attrs.field(default=1, validator=v.ge(1))
     """Optimizer steps per batch; the batch's groups are split evenly between them."""
     dtype: Literal["auto", "float32", "bfloat16"] = attrs.field(
@@ -75,9 +75,13 @@ class TrainConfig:
     once, after it; FSDP2 would otherwise cast and copy every parameter again for each
     micro-batch's forward and backward (30 % of a SmolLM2 step at 512-token micro-batches).
     Costs a bf16 copy of the weights during the step. Off: for comparisons."""
-    packed_attention: bool = True
-    """Each row of a packed micro-batch attends on its own (`packed_attention.py`) instead of
-    through a block-diagonal mask over the whole pack. Off: for comparisons."""
+    packed_attention: bool = False
+    """Each row of a packed micro-batch attends on its own (`packed_attention.py`), where that
+    saves at least half the work of attending through the block-diagonal mask over the whole
+    pack: 1.62x for one 8,192-token pack of SmolLM2 rows. Off by default until its fp32 numbers
+    are settled: one rank with one pack (rows attended on their own) and two ranks with small
+    packs (through the mask) then differ by 3e-5 in their gradients, where tests/test_runtime.py
+    holds them to 1e-6 (with the mask on both, they agree)."""
     skip_nonfinite: bool = False
     """Skip an optimizer step whose loss or gradient norm is NaN/inf (with a warning; counted in
     `skipped_step`) instead of stopping the run with an error naming the step."""
