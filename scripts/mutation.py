@@ -39,6 +39,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# weights kept from the trainer, copied after sharing, and LoRA adapters, in process: the local
+# engine's weight updates (local.py, then engine_weights.py)
+ENGINE_WEIGHT_TESTS = [
+    *(f"tests/test_runtime_checkpoint.py::test_{name}" for name in (
+        "weight_sync_makes_the_local_engine_match_the_trainer",
+        "an_in_process_engine_generates_from_the_trainers_tensors",
+        "a_copied_update_after_sharing_leaves_the_trainers_tensors_alone")),
+    *(f"tests/test_lora.py::test_{name}" for name in (
+        "after_lora_steps_the_engine_generates_what_the_merged_model_does",
+        "removing_the_adapter_serves_the_base_model_again",
+        "the_engine_refuses_an_adapter_that_does_not_fit"))]
+
 # module -> the test files that exercise it in process (subprocess tests cannot see mutants)
 MODULES: dict[str, list[str]] = {
     "areal_flow/algorithms/functional.py": ["tests/test_functional.py", "tests/test_ppo.py",
@@ -67,29 +79,14 @@ MODULES: dict[str, list[str]] = {
         "--timeout=30"],
     "areal_flow/inference/local.py": [
         # a mutant that loses a request leaves a test waiting on it without CPU time
-        "--timeout=15", "tests/test_local_engine.py", "tests/test_decode_paths.py"] + [
-        # weights kept from the trainer, copied after sharing, and LoRA adapters, in process
-        f"tests/test_runtime_checkpoint.py::test_{name}" for name in (
-            "weight_sync_makes_the_local_engine_match_the_trainer",
-            "an_in_process_engine_generates_from_the_trainers_tensors",
-            "a_copied_update_after_sharing_leaves_the_trainers_tensors_alone")] + [
-        f"tests/test_lora.py::test_{name}" for name in (
-            "after_lora_steps_the_engine_generates_what_the_merged_model_does",
-            "removing_the_adapter_serves_the_base_model_again",
-            "the_engine_refuses_an_adapter_that_does_not_fit")],
+        "--timeout=15", "tests/test_local_engine.py", "tests/test_decode_paths.py",
+        *ENGINE_WEIGHT_TESTS],
     # the engine's weights and their updates, split out of local.py after its run (its
     # mutation_equivalent file names their first survivors under local.py's names)
     "areal_flow/inference/engine_weights.py": [
-        "tests/test_local_engine.py", "tests/test_decode_paths.py"] + [
-        f"tests/test_runtime_checkpoint.py::test_{name}" for name in (
-            "the_memory_parts_are_the_weights_gradients_moments_and_the_engines_copies",
-            "weight_sync_makes_the_local_engine_match_the_trainer",
-            "an_in_process_engine_generates_from_the_trainers_tensors",
-            "a_copied_update_after_sharing_leaves_the_trainers_tensors_alone")] + [
-        f"tests/test_lora.py::test_{name}" for name in (
-            "after_lora_steps_the_engine_generates_what_the_merged_model_does",
-            "removing_the_adapter_serves_the_base_model_again",
-            "the_engine_refuses_an_adapter_that_does_not_fit")],
+        "tests/test_local_engine.py", "tests/test_decode_paths.py", *ENGINE_WEIGHT_TESTS,
+        "tests/test_runtime_checkpoint.py::test_the_memory_parts_are_the_weights_gradients_"
+        "moments_and_the_engines_copies"],
     # the sampler and the KV batch, split out of local.py
     "areal_flow/inference/sampling.py": ["--timeout=15", "tests/test_local_engine.py",
                                          "tests/test_decode_paths.py"],
