@@ -6,8 +6,10 @@ the pack's tokens, though each token attends only within its own row, and on a C
 walks every masked block. Measured on SmolLM2's shape (bf16, 2 cores): the attention backward was
 the largest operation of a training step after the matrix products, and a 4,096-token pack
 trained slower than seven 512-token ones. Here each row of the pack attends on its own, causally,
-with no mask: the same numbers (`tests/test_engine_steps.py`), work quadratic in each row's
-tokens only. Where that saves less than half the mask's work (a pack of one or two rows: the
+with no mask, work quadratic in each row's tokens only: each row's outputs and gradients are
+those it gets alone, to 1e-5 (`tests/test_engine_steps.py`), but not bit for bit the mask's (in
+fp32 one rank's gradients came 3e-5 from two ranks' that attended through the mask), so it is
+off by default (`TrainConfig.packed_attention`). Where that saves less than half the mask's work (a pack of one or two rows: the
 separate calls and the copies that join their outputs cost more than they save; a 512-token pack
 of about two rows trained 10 % slower so), and in a forward without the rows' lengths (or with a
 cache), transformers' masked sdpa runs, as before. The lengths come with the forward's keyword
