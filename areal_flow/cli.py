@@ -11,10 +11,10 @@ from rich.console import Console
 from rich.table import Table
 
 from areal_flow import registry
-from areal_flow.allocation import Allocation, cli_arg
+from areal_flow.launch.allocation import Allocation, cli_arg
 from areal_flow.evaluation import EvalConfig
 from areal_flow.registry import RegistryError
-from areal_flow.slurm import SlurmJob, sbatch_script
+from areal_flow.launch.slurm import SlurmJob, sbatch_script
 
 
 def plugins(check: bool = False) -> int:
@@ -124,7 +124,7 @@ def serve(
         enable_lora: Serve LoRA adapters (/load_lora_adapter, /unload_lora_adapter, and
             lora_path on /generate), as SGLang's --enable-lora.
     """
-    from areal_flow.inference.server import serve as run_server
+    from areal_flow.protocol_server.app import serve as run_server
 
     run_server(model, host=host, port=port, dtype=dtype, max_batch_size=max_batch_size, seed=seed,
                device=device, weight_version=weight_version, health_delay=health_delay,
@@ -173,7 +173,7 @@ def slurm(job: Annotated[SlurmJob, tyro.conf.OmitArgPrefixes, tyro.conf.arg(name
     """
     import attrs
 
-    from areal_flow.allocation import AllocationError, slurm_layout
+    from areal_flow.launch.allocation import AllocationError, slurm_layout
 
     if allocation is not None:
         defaults = attrs.fields_dict(SlurmJob)

@@ -16,7 +16,6 @@ import attrs
 import cattrs
 from attrs import validators as v
 
-from areal_flow.allocation import Allocation
 
 T = TypeVar("T")
 
@@ -136,9 +135,6 @@ class OptimizerConfig:
 
 
 _converter = cattrs.Converter(forbid_extra_keys=True)
-# an allocation is saved as the one line it was given as (config.yaml reads like the command)
-_converter.register_unstructure_hook(Allocation, str)
-_converter.register_structure_hook(Allocation, lambda text, _: Allocation.parse(text))
 
 
 @attrs.frozen(kw_only=True)
@@ -200,7 +196,7 @@ class InferenceConfig:
     taken out, and its requests continue elsewhere, after about this long."""
     lease_dir: str | None = None
     """sglang: where runs lease their servers, so that two runs never write weights into one
-    server (`inference/lease.py`): a folder every run reaches (like the weight folders). None:
+    server (`launch/lease.py`): a folder every run reaches (like the weight folders). None:
     $XDG_CACHE_HOME/areal_flow/leases (~/.cache)."""
 
     @device.validator

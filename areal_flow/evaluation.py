@@ -85,16 +85,16 @@ def ks(cfg: EvalConfig) -> list[int]:
 
 def prepare(cfg: EvalConfig) -> dict[str, Any]:
     """Check names, rows and model before any weights load (errors name the option)."""
-    from areal_flow import gsm8k_rl, registry
+    from areal_flow import registry, rl_recipes
     from areal_flow.data import offline
 
-    rl = gsm8k_rl.RLConfig(
+    rl = rl_recipes.RLConfig(
         model=cfg.model, dataset=cfg.dataset, workflow=cfg.workflow, reward=cfg.reward,
         workflow_config=cfg.workflow_config, eval_size=cfg.eval_size, seed=cfg.seed,
         inference=cfg.inference, sampling=SamplingParams(max_new_tokens=cfg.max_new_tokens,
                                                          temperature=cfg.temperature),
         rollout=RolloutConfig(batch_size=1, group_size=1, max_concurrent=cfg.max_concurrent))
-    workflow_config = gsm8k_rl.workflow_config(rl)  # unknown workflow or reward fails here
+    workflow_config = rl_recipes.workflow_config(rl)  # unknown workflow or reward fails here
     pool_class = registry.generation_pools.get(cfg.inference.backend)
     try:
         train, held_out, _ = offline.train_eval_rows(cfg.dataset, 0 if cfg.split == "all"
@@ -106,8 +106,8 @@ def prepare(cfg: EvalConfig) -> dict[str, Any]:
     if not rows:
         raise ValueError(f"--split {cfg.split}: no rows (--eval-size {cfg.eval_size})")
     model = cfg.model or str(offline.packaged_smollm2())
-    gsm8k_rl.check_model(rl, model)
-    task = gsm8k_rl.run_name(rl).removesuffix(f"_{rl.algorithm_name}")
+    rl_recipes.check_model(rl, model)
+    task = rl_recipes.run_name(rl).removesuffix(f"_{rl.algorithm_name}")
     out = Path(cfg.out or Path("evals") / f"{task}-{datetime.now():%Y%m%d-%H%M%S}.jsonl")
     return {"cfg": cfg, "rl": rl, "workflow_config": workflow_config, "pool_class": pool_class,
             "rows": rows, "model": model, "out": out}
@@ -144,7 +144,7 @@ def _lengths(lengths: list[int], truncated: list[bool]) -> dict[str, float]:
 def summarize(records: list[dict[str, Any]], cfg: EvalConfig) -> dict[str, Any]:
     """The summary of per-row records (what the summary json holds, less the run's facts).
     Means are over rows (greedy) or rows x samples (sampled); a missing episode counts as 0."""
-    from areal_flow.gsm8k_rl import wilson_interval
+    from areal_flow.rl_recipes import wilson_interval
 
     n = len(records)
     solved = sum(r["reward"] >= cfg.correct_at for r in records)

@@ -1,4 +1,4 @@
-"""One `Registry` type, six instances: everything selectable by name is looked up here.
+"""One `Registry` type, seven instances: everything selectable by name is looked up here.
 
 `get(name)` gives what was registered (the function or class you can call or construct);
 `spec(name)` gives its spec (`RewardSpec`, `WorkflowSpec`, `AlgorithmSpec`: the object plus what
@@ -240,6 +240,8 @@ algorithms = Registry(
 generation_pools = Registry("generation pool", "areal_flow.generation_pools")
 loggers = Registry("logger", "areal_flow.loggers")
 environments = Registry("environment", "areal_flow.environments")
-"""Text environments for the `env` workflow (`areal_flow.environment`)."""
+"""Text environments for the `env` workflow (`areal_flow.agents.environment`)."""
+dataset_sources = Registry("dataset source", "areal_flow.dataset_sources")
+"""`DatasetSource`s: ``--dataset '<name>:<spec>'`` (`areal_flow.data.offline.source`)."""
 
-ALL = (workflows, rewards, algorithms, generation_pools, loggers, environments)
+ALL = (workflows, rewards, algorithms, generation_pools, loggers, environments, dataset_sources)

@@ -410,6 +410,29 @@ class Algorithm(Protocol):
 # ---------------------------------------------------------------------------- registered things
 
 
+@runtime_checkable
+class DatasetSource(Protocol):
+    """Rows a named source makes: ``--dataset '<name>:<spec>'`` reads them from the source
+    registered as ``<name>`` (`registry.dataset_sources`, entry-point group
+    ``areal_flow.dataset_sources``; reasoning-gym's ``reasoning_gym:<task>?...`` is one)."""
+
+    reward: str
+    """The reward the `rlvr` workflow scores these rows with when no --workflow-config says."""
+    prompt_template: str
+    """`rlvr`'s prompt for these rows when no --workflow-config says (``{question}`` is the
+    row's question)."""
+
+    def train_eval_rows(self, dataset: str, eval_size: int
+                        ) -> tuple[list[dict], list[dict], str]:
+        """The train rows, `eval_size` held-out rows and a line saying what they are."""
+        ...
+
+    def task(self, dataset: str) -> str:
+        """The task's name, for the run folder's (``chain_sum`` of ``reasoning_gym:chain_sum?...``)."""
+        ...
+
+
+
 def _positive_timeout(instance: Any, attribute: attrs.Attribute, value: float) -> None:
     if not value > 0:
         raise ValueError(f"'{attribute.name}' must be > 0 seconds: {value!r}")

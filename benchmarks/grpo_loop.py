@@ -62,7 +62,7 @@ def gsm8k_rows(n: int) -> list[dict]:
 
 
 def recipe_prompt() -> str:
-    from areal_flow.gsm8k_rl import PROMPT
+    from areal_flow.rl_recipes import PROMPT
 
     return PROMPT
 
@@ -79,7 +79,7 @@ def areal_flow_worker(p: dict, eta: int) -> dict:
     from areal_flow.algorithms.grpo import GRPO, GRPOConfig
     from areal_flow.config import (InferenceConfig, OptimizerConfig, PolicyLossConfig,
                                    RolloutConfig)
-    from areal_flow.gsm8k_rl import next_batch
+    from areal_flow.rl_recipes import next_batch
     from areal_flow.inference.local import LocalEngine
     from areal_flow.reward.runner import RewardRunner
     from areal_flow.run import StopRequest

@@ -180,7 +180,7 @@ def trl_worker(p: dict) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from areal_flow.data.reasoning_gym import train_eval_rows
-    from areal_flow.gsm8k_rl import wilson_interval
+    from areal_flow.rl_recipes import wilson_interval
     from areal_flow.reward.reasoning_gym import grade, reasoning_gym
 
     torch.manual_seed(p["seed"])

@@ -12,7 +12,7 @@ sees the assistant's tokens. The default pairs come from the packaged GSM8K rows
 solution ending in '#### N' (the format the GRPO reward checks) is preferred over the same
 solution ending in 'The answer is N.'. The loop: batch of pairs → reference and policy forward
 → update → held-out reward margin and accuracy every `eval_every` steps → checkpoint. Rank 0
-builds each batch; every rank trains. Formulas: `areal_flow/algorithms/dpo.py`.
+builds each batch; every rank trains. Formulas: `areal_flow/extra_extra_algorithms/dpo.py`.
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ import tyro
 from attrs import validators as v
 from transformers import AutoTokenizer
 
-from areal_flow.algorithms.dpo import DPO, DPOConfig, partners, sequence_logratio
+from areal_flow.extra_algorithms.dpo import DPO, DPOConfig, partners, sequence_logratio
 from areal_flow.config import OptimizerConfig
 from areal_flow.data import offline
-from areal_flow.data.preference import collate_pairs, gsm8k_format_pairs, pair_from_row
+from areal_flow.extra_algorithms.preference import collate_pairs, gsm8k_format_pairs, pair_from_row
 from areal_flow.process_memory import peak_rss_gb
 from areal_flow.run import RunConfig
 from areal_flow.runtime.distributed import exit_process
@@ -60,7 +60,7 @@ class Config(RunConfig):
     """Dataset field with the dispreferred response."""
     algorithm: DPOConfig = DPOConfig()
     train: TrainConfig = TrainConfig(optim=OptimizerConfig(lr=1e-5), max_tokens_per_mb=512,
-                                     dtype="auto")  # see gsm8k_rl.RLConfig.train
+                                     dtype="auto")  # see rl_recipes.RLConfig.train
 
 
 def main(cfg: Config) -> None:

@@ -24,7 +24,7 @@ import time
 import attrs
 from transformers import AutoTokenizer
 
-from areal_flow import gsm8k_rl, registry
+from areal_flow import registry, rl_recipes
 from areal_flow.algorithms.grpo import GRPOConfig
 from areal_flow.config import PolicyLossConfig
 from areal_flow.reward.runner import RewardRunner
@@ -36,7 +36,7 @@ from areal_flow.session import Session
 
 
 @attrs.frozen(kw_only=True)
-class Config(gsm8k_rl.RLConfig):
+class Config(rl_recipes.RLConfig):
     """GRPO on GSM8K. Defaults run offline on a 2-core CPU in about 10 minutes."""
 
     # Skip the forward pass that recomputes pi_prox. With one optimizer step per batch, stale
@@ -47,16 +47,19 @@ class Config(gsm8k_rl.RLConfig):
 
 
 def main(cfg: Config) -> None:
-    workflow_config = gsm8k_rl.workflow_config(cfg)  # bad names fail before any work
-    algorithm = gsm8k_rl.algorithm(cfg)  # e.g. GRPO(cfg.algorithm)
+    workflow_config = rl_recipes.workflow_config(cfg)  # bad names fail before any work
+    algorithm = rl_recipes.algorithm(cfg)  # e.g. GRPO(cfg.algorithm)
     pool_class = registry.generation_pools.get(cfg.inference.backend)
-    if cfg.dry_run:  # where each process would run, and how to start them; nothing is read
-        return gsm8k_rl.dry_run(cfg)
-    gsm8k_rl.check_allocation(cfg)  # torchrun's world and this node's GPUs are --allocation's
+    if cfg.dry_run or cfg.allocation is not None:  # launch's part
+        from areal_flow.launch import recipe as launch
+
+        if cfg.dry_run:  # where each process would run, and how to start them; nothing is read
+            return launch.dry_run(cfg)
+        launch.check_launch(cfg)  # torchrun's world and this node's GPUs are --allocation's
     # ranks, run folder, model, checkpoints, the panel, stop requests, closing it all at the end
-    with Session(cfg, gsm8k_rl.run_name(cfg)) as session:
+    with Session(cfg, rl_recipes.run_name(cfg)) as session:
         rank, model = session.rank, session.model
-        train_rows, eval_rows, data_note = gsm8k_rl.load_data(  # before weights load
+        train_rows, eval_rows, data_note = rl_recipes.load_data(  # before weights load
             cfg, model, rank, workflow_config)
         trainer = TrainEngine(model, cfg.train)
         ref = trainer.reference(model) if "ref" in algorithm.roles else None  # LoRA: its base
@@ -67,9 +70,9 @@ def main(cfg: Config) -> None:
         saved = session.resume(trainer, critic=critic)
         cfg, measured = precision.measured(cfg, model, ("train", trainer), ("critic", critic),
                                            in_process=pool_class.in_process)
-        algorithm = gsm8k_rl.algorithm(cfg)  # with the mismatch correction the precisions chose
+        algorithm = rl_recipes.algorithm(cfg)  # with the mismatch correction the precisions chose
         session.show(cfg, note=data_note, measured=measured,
-                     columns=gsm8k_rl.panel_columns(cfg, critic=critic is not None,
+                     columns=rl_recipes.panel_columns(cfg, critic=critic is not None,
                                                     teacher=teacher is not None))
 
         pool = scheduler = rewards = None
@@ -104,11 +107,11 @@ def main(cfg: Config) -> None:
         if scheduler is not None:
             scheduler.start()
             if session.start == 0:
-                session.run.log_metrics(0, gsm8k_rl.evaluate(cfg, scheduler, eval_rows))
+                session.run.log_metrics(0, rl_recipes.evaluate(cfg, scheduler, eval_rows))
         for step in session.steps():
             began = time.perf_counter()
             # rollout: rank 0 waits for a batch (the others get None)
-            wait = gsm8k_rl.next_batch(scheduler, session.stop, cfg.rollout.batch_timeout,
+            wait = rl_recipes.next_batch(scheduler, session.stop, cfg.rollout.batch_timeout,
                                        host=cfg.inference.hosted)
             if wait.halted:  # a stop or a rollout error while it waited, on every rank
                 session.stop_before(step, wait.failure)  # a checkpoint of where it stands
@@ -129,11 +132,11 @@ def main(cfg: Config) -> None:
                 failure, sync = error, {}
             metrics = samples = None
             if rank == 0:
-                metrics = {**gsm8k_rl.batch_metrics(cfg, batch, scheduler), **stats, **sync,
-                           **gsm8k_rl.memory_parts(trainer, pool),
+                metrics = {**rl_recipes.batch_metrics(cfg, batch, scheduler), **stats, **sync,
+                           **rl_recipes.memory_parts(trainer, pool),
                            "seconds/rollout_wait": rolled - began,
                            "seconds/train": trained - rolled,
-                           **gsm8k_rl.component_stats(rollout=scheduler, pool=pool,
+                           **rl_recipes.component_stats(rollout=scheduler, pool=pool,
                                                       reward_runner=rewards)}
                 metrics["seconds/step"] = time.perf_counter() - began
                 tokens = batch["attention_mask"].sum().item()
@@ -148,14 +151,14 @@ def main(cfg: Config) -> None:
                 if cfg.eval_size and ((step + 1) % cfg.eval_every == 0
                                       or step + 1 == cfg.steps) and failure is None:
                     try:
-                        metrics.update(gsm8k_rl.evaluate(cfg, scheduler, eval_rows))
+                        metrics.update(rl_recipes.evaluate(cfg, scheduler, eval_rows))
                     except Exception as error:  # noqa: BLE001 - e.g. rewards over the limit
                         failure = error
-                samples = gsm8k_rl.samples(cfg, batch, scheduler)
+                samples = rl_recipes.samples(cfg, batch, scheduler)
             # logged; checkpointed when due, on a stop and before a failure ends the run
             session.end_step(step, metrics, samples=samples, failure=failure)
 
 
 if __name__ == "__main__":
-    main(gsm8k_rl.cli(Config))
+    main(rl_recipes.cli(Config))
     exit_process()  # skips interpreter finalization, which can abort after a good run

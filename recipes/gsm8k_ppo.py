@@ -14,7 +14,7 @@ from typing import Annotated
 import attrs
 import tyro
 
-from areal_flow import gsm8k_rl
+from areal_flow import rl_recipes
 from areal_flow.algorithms.ppo import PPOConfig
 from areal_flow.config import PolicyLossConfig, RolloutConfig
 from areal_flow.runtime.distributed import exit_process
@@ -37,5 +37,5 @@ class Config(GRPORecipeConfig):
 
 
 if __name__ == "__main__":
-    main(gsm8k_rl.cli(Config))
+    main(rl_recipes.cli(Config))
     exit_process()  # skips interpreter finalization, which can abort after a good run

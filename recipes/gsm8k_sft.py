@@ -48,7 +48,7 @@ class Config(RunConfig):
     """Dataset field with the assistant's turn (the target)."""
     algorithm: SFTConfig = SFTConfig()
     train: TrainConfig = TrainConfig(optim=OptimizerConfig(lr=1e-5), max_tokens_per_mb=512,
-                                     dtype="auto")  # see gsm8k_rl.RLConfig.train
+                                     dtype="auto")  # see rl_recipes.RLConfig.train
 
 
 def main(cfg: Config) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import attrs
 
-from areal_flow import gsm8k_rl
+from areal_flow import rl_recipes
 from areal_flow.config import InferenceConfig, OptimizerConfig, RolloutConfig
 from areal_flow.runtime.engine import TrainConfig
 from areal_flow.runtime.distributed import exit_process
@@ -49,5 +49,5 @@ class Config(GSM8KConfig):
 
 
 if __name__ == "__main__":
-    main(gsm8k_rl.cli(Config))
+    main(rl_recipes.cli(Config))
     exit_process()  # skips interpreter finalization, which can abort after a good run

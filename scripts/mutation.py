@@ -112,28 +112,35 @@ MODULES: dict[str, list[str]] = {
             "groups_go_whole_to_ranks_and_the_load_is_balanced")],
     "areal_flow/runtime/logprobs.py": ["tests/test_logprobs.py"],
     "areal_flow/data/collate.py": ["tests/test_collate.py"],
-    "areal_flow/inference/sglang_pool.py": [
+    # the pool's routing and resubmission (`inference.sglang_pool` in benchmarks/results/mutation,
+    # measured before the pool was split into sglang_routing, sglang_servers and sglang_weights)
+    **{module: [
         "tests/test_sglang_pool.py",
         # the pool's requests name the adapter (the pool in process, the servers not)
-        "tests/test_lora.py::test_the_sglang_pool_swaps_adapters_and_catches_a_joining_server_up"],
+        "tests/test_lora.py::test_the_sglang_pool_swaps_adapters_and_catches_a_joining_server_up"]
+       for module in ("areal_flow/inference/sglang_routing.py",
+                      "areal_flow/inference/sglang_servers.py")},
 }
 # modules mutated in part: the functions (fnmatch patterns of mutmut's mutant names) that carry
 # what the issue asked to test; the rest of the module is left unmutated
 FUNCTIONS: dict[str, list[str]] = {
     # routing and resubmission: which server a request goes to, what is sent again after an
     # interruption, and how the pieces become one completion
-    "areal_flow/inference/sglang_pool.py": [
+    "areal_flow/inference/sglang_routing.py": [
         f"*{name}__mutmut_*" for name in (
             "ǁ_generate", "ǁ_complete", "ǁ_route", "ǁ_body", "ǁ_on_server", "ǁ_post_generate",
-            "ǁ_extend", "ǁ_completion", "ǁ_take_out", "ǁ_rotation", "ǁ_answering",
-            ".x__resubmission_seed", ".x__token_versions", ".x__version")],
+            "ǁ_extend", "ǁ_completion", ".x__resubmission_seed", ".x__token_versions",
+            ".x__version")],
+    "areal_flow/inference/sglang_servers.py": [
+        f"*{name}__mutmut_*" for name in ("ǁ_take_out", "ǁ_rotation", "ǁ_answering")],
 }
 # mutants run at once (default 2, the cores here): more where many mutants hang a test until
 # its timeout, using no CPU while they wait
 CHILDREN: dict[str, int] = {"areal_flow/inference/local.py": 6,
                             "areal_flow/inference/engine_weights.py": 6,
                             # its tests mostly wait on servers (startup, health, timeouts)
-                            "areal_flow/inference/sglang_pool.py": 4,
+                            "areal_flow/inference/sglang_routing.py": 4,
+                            "areal_flow/inference/sglang_servers.py": 4,
                             "areal_flow/inference/sampling.py": 4,
                             "areal_flow/inference/kv_batch.py": 4}
 # statements whose mutants would only change wording (see the module docstring)
@@ -293,7 +300,9 @@ def write_table() -> None:
 Small realistic bugs put into the core modules one at a time (mutmut 3.8.1), each run against
 the tests of its module (`scripts/mutation.py` says how mutants are chosen and which tests run).
 Regenerate a row with `python scripts/mutation.py MODULE` (every row: no argument; `--show`
-prints each survivor's diff). Not run in CI: too slow.
+prints each survivor's diff). Not run in CI: too slow. A row names the module as it was when
+measured: the pool's routing, measured in `inference/sglang_pool.py`, has since moved unchanged to
+`inference/sglang_routing.py` and `inference/sglang_servers.py`.
 
 | module | mutants | killed | survived | equivalent | killed of non-equivalent | minutes | commit |
 |---|---|---|---|---|---|---|---|

@@ -1,4 +1,4 @@
-"""--allocation (areal_flow/allocation.py): the grammar both ways, every error naming its part
+"""--allocation (areal_flow/launch/allocation.py): the grammar both ways, every error naming its part
 and suggesting an accepted allocation, the placement of every process, what it sets for the
 launcher and the SLURM generator, and the RL recipe's --allocation / --dry-run end to end."""
 
@@ -16,8 +16,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from areal_flow import config, gsm8k_rl
-from areal_flow.allocation import (EXAMPLES, Allocation, AllocationError, launch_command,
+from areal_flow import config, rl_recipes
+from areal_flow.launch.allocation import (EXAMPLES, Allocation, AllocationError, launch_command,
                                    slurm_layout)
 from areal_flow.config import InferenceConfig
 from tests.helpers import ROOT, metrics
@@ -278,7 +278,7 @@ def test_the_launcher_starts_the_servers_where_the_placement_says(tmp_path):
 
 
 def test_slurm_layout_of_the_readme_job():
-    from areal_flow.slurm import SlurmJob, server_commands
+    from areal_flow.launch.slurm import SlurmJob, server_commands
 
     a = Allocation.parse(SLURM)
     layout = slurm_layout(a)
@@ -295,7 +295,7 @@ def test_slurm_layout_of_the_readme_job():
 
 
 def test_slurm_layout_of_cpu_nodes():
-    from areal_flow.slurm import SlurmJob, check
+    from areal_flow.launch.slurm import SlurmJob, check
 
     layout = slurm_layout(Allocation.parse("generation: 2 servers, training: 1 rank on "
                                            "2 cpu nodes"))
@@ -355,16 +355,16 @@ def test_several_nodes_need_the_servers_addresses_and_torchrun_on_each_training_
 
 
 def test_the_recipe_config_takes_the_inference_settings_from_the_allocation():
-    cfg = gsm8k_rl.cli(gsm8k_rl.RLConfig, ["--allocation", ONE_NODE])
-    assert cfg.allocation == Allocation.parse(ONE_NODE)
+    cfg = rl_recipes.cli(rl_recipes.RLConfig, ["--allocation", ONE_NODE])
+    assert cfg.allocation == str(Allocation.parse(ONE_NODE))  # kept as its canonical line
     assert (cfg.inference.backend, cfg.inference.server_gpus, cfg.inference.tp_size) == \
         ("sglang", (4, 5, 6, 7), 2)
     # config.yaml holds the allocation as its one line, and reads back to the same config
     data = config.unstructure(cfg)
-    assert data["allocation"] == str(cfg.allocation)
-    assert config.structure(gsm8k_rl.RLConfig, json.loads(json.dumps(data))) == cfg
+    assert data["allocation"] == cfg.allocation
+    assert config.structure(rl_recipes.RLConfig, json.loads(json.dumps(data))) == cfg
     # without --allocation the old options work as before
-    old = gsm8k_rl.cli(gsm8k_rl.RLConfig, ["--inference.backend", "sglang",
+    old = rl_recipes.cli(rl_recipes.RLConfig, ["--inference.backend", "sglang",
                                            "--inference.server-gpus", "4", "5", "6", "7",
                                            "--inference.tp-size", "2"])
     assert old.inference == cfg.inference and old.allocation is None
@@ -378,7 +378,7 @@ def test_the_recipe_config_takes_the_inference_settings_from_the_allocation():
 ])
 def test_an_old_option_with_allocation_is_refused_showing_the_allocation(flags, capsys):
     with pytest.raises(SystemExit) as exit_:
-        gsm8k_rl.cli(gsm8k_rl.RLConfig, ["--allocation", ONE_NODE, *flags])
+        rl_recipes.cli(rl_recipes.RLConfig, ["--allocation", ONE_NODE, *flags])
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     flag = flags[0].split("=")[0].replace("_", "-")
@@ -388,10 +388,10 @@ def test_an_old_option_with_allocation_is_refused_showing_the_allocation(flags, 
 
 def test_a_config_built_in_code_refuses_a_conflicting_inference_setting():
     with pytest.raises(AllocationError, match="--inference.tp-size 4"):
-        gsm8k_rl.RLConfig(allocation=Allocation.parse(ONE_NODE),
+        rl_recipes.RLConfig(allocation=Allocation.parse(ONE_NODE),
                           inference=InferenceConfig(tp_size=4))
     # values equal to the allocation's are not a conflict (e.g. attrs.evolve of a built config)
-    cfg = gsm8k_rl.RLConfig(allocation=Allocation.parse(ONE_NODE))
+    cfg = rl_recipes.RLConfig(allocation=Allocation.parse(ONE_NODE))
     assert attrs.evolve(cfg, steps=3).inference == cfg.inference
 
 

@@ -97,7 +97,7 @@ def test_samples_hold_every_segment_of_a_multi_turn_episode_in_order(tiny_model_
 
     from transformers import AutoTokenizer
 
-    from areal_flow.gsm8k_rl import RLConfig, samples
+    from areal_flow.rl_recipes import RLConfig, samples
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     turns = ["Question?", " first try", " Wrong, again.", " second try"]

@@ -1,4 +1,4 @@
-"""On-policy distillation (`algorithms/distill.py`) and the runtime's `teacher` role: the
+"""On-policy distillation (`extra_algorithms/distill.py`) and the runtime's `teacher` role: the
 advantages against a loop, the loss's gradient by hand, its *expected* gradient against the exact
 reverse KL's (per token, and per sequence with kl_discount 1) by enumerating every sample, the
 runtime's `teacher_logprobs` against a direct forward of the teacher, a tiny student trained by
@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict
 
-from areal_flow.algorithms.distill import DistillConfig, OnPolicyDistillation
+from areal_flow.extra_algorithms.distill import DistillConfig, OnPolicyDistillation
 from areal_flow.config import PolicyLossConfig
 from areal_flow.types import ModelOutput
 from tests.helpers import metrics, run_recipe

@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 from tensordict import TensorDict
 
 from areal_flow import algorithms
-from areal_flow.algorithms.dpo import DPO, DPOConfig
+from areal_flow.extra_algorithms.dpo import DPO, DPOConfig
 from areal_flow.data import offline
-from areal_flow.data.preference import (PreferencePair, collate_pairs, gsm8k_format_pairs,
+from areal_flow.extra_algorithms.preference import (PreferencePair, collate_pairs, gsm8k_format_pairs,
                                         pair_from_row)
 from areal_flow.runtime.microbatch import groups_to_ranks, micro_batches, minibatch_of_rows
 from areal_flow.types import ModelOutput

@@ -11,10 +11,10 @@ import json
 import pytest
 
 from areal_flow import registry, workflows
-from areal_flow.environment import GymnasiumEnvironment, environment, gymnasium_env
+from areal_flow.agents.environment import GymnasiumEnvironment, environment, gymnasium_env
 from areal_flow.types import SamplingParams, derived_seed
 from areal_flow.workflow.context import RolloutContext
-from areal_flow.workflow.env import EnvConfig
+from areal_flow.agents.env import EnvConfig
 from tests.helpers import ScriptedPool, make_distribution, metrics, run_cli, run_recipe
 
 GUESS = "tests.environments_for_tests:GuessNumber-v0"
@@ -161,7 +161,7 @@ def test_areal_flow_plugins_lists_environments(tmp_path):
             if line.lstrip("│ ").startswith("environment")]
     assert rows == [["environment", "games.guess", "areal-flow-games 0.1", "games:Guess"],
                     ["environment", "gymnasium", "areal-flow 0.1.0",
-                     "areal_flow.environment:gymnasium_env"]]
+                     "areal_flow.agents.environment:gymnasium_env"]]
     in_process = {r.name: r for r in registry.environments.plugins()}["tests.script"]
     assert (in_process.kind, in_process.source) == ("environment", "in-process")
     assert registry.environments.get("tests.script") is Script

@@ -102,10 +102,10 @@ def test_shown_work_is_a_calculation_before_the_answer(text, worked):
 
 
 def test_the_recipes_default_reward_pays_only_for_a_right_answer_after_shown_work():
-    from areal_flow import gsm8k_rl, registry
-    from areal_flow.gsm8k_rl import RLConfig
+    from areal_flow import registry, rl_recipes
+    from areal_flow.rl_recipes import RLConfig
 
-    config = gsm8k_rl.workflow_config(RLConfig())
+    config = rl_recipes.workflow_config(RLConfig())
     score = registry.rewards.get(config.reward)
     reference = "She has 8 bags of 9. 8 * 9 = 72. #### 72"
     for unearned in ("#### 71", "#### 72", "72", "8 * 9 = 71. #### 71"):

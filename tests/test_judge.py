@@ -1,4 +1,4 @@
-"""LLM-as-judge (`ctx.judge`, `areal_flow.reward.judge`): the score parsed from any reply that
+"""LLM-as-judge (`ctx.judge`, `areal_flow.judges.judge`): the score parsed from any reply that
 ends in a Score line, the default for junk, out-of-range scores and a judge that never answers,
 a separate judge pool, the judge's tokens kept out of the episode, and a run trained on it."""
 
@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from areal_flow.reward.judge import PROMPT, Judge, parse_score
+from areal_flow.judges.judge import PROMPT, Judge, parse_score
 from areal_flow.types import Completion, SamplingParams, derived_seed
 from areal_flow.workflow.context import RolloutContext
 from tests.helpers import ScriptedPool, metrics, run_recipe

@@ -216,7 +216,7 @@ def test_a_lora_checkpoint_holds_the_adapter_only_and_resumes_it(world, trained,
 def serve_in_thread(model_dir, enable_lora: bool):
     import uvicorn
 
-    from areal_flow.inference.server import build_app
+    from areal_flow.protocol_server.app import build_app
 
     engine = LocalEngine(model_dir, version=7)
     app = build_app(engine, enable_lora=enable_lora)

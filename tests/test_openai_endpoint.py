@@ -15,7 +15,7 @@ import pytest
 from areal_flow import workflow
 from areal_flow.types import Completion, SamplingParams
 from areal_flow.workflow.context import RolloutContext
-from areal_flow.workflow.openai_endpoint import OpenAIEndpoint
+from areal_flow.agents.openai_endpoint import OpenAIEndpoint
 
 TOOLS = [{"type": "function", "function": {
     "name": "add", "description": "a + b",
@@ -62,7 +62,8 @@ async def agent(client, question: str) -> str:
 
 def context(tokenizer, pool, endpoint=None) -> RolloutContext:
     return RolloutContext(pool=pool, tokenizer=tokenizer, score=None, episode_id="0/0/0",
-                          sampling=SamplingParams(max_new_tokens=16), seed=3, endpoint=endpoint)
+                          sampling=SamplingParams(max_new_tokens=16), seed=3,
+                          endpoint=None if endpoint is None else lambda: endpoint)
 
 
 def check_episode(tokenizer, pool, episode) -> None:

@@ -1,6 +1,6 @@
 """Servers that outlive runs: a run attaching with --inference.addresses replaces whatever
 weights the servers hold with its own, and two runs never write weights into one server at once
-(leases, `areal_flow/inference/lease.py`)."""
+(leases, `areal_flow/launch/lease.py`)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from areal_flow.inference import lease as lease_module
+from areal_flow.launch import lease as lease_module
 from areal_flow.inference.launcher import SGLangLauncher, serve_command
-from areal_flow.inference.lease import Leases, ServerLeased
+from areal_flow.launch.lease import Leases, ServerLeased
 from tests.helpers import ROOT, metrics, run_recipe
 from tests.test_local_engine import save_perturbed
 

@@ -14,7 +14,7 @@ from tensordict import TensorDict
 
 from areal_flow.algorithms.grpo import GRPO, GRPOConfig
 from areal_flow.algorithms.ppo import PPO, PPOConfig
-from areal_flow.algorithms.reinforce_pp import ReinforcePP, ReinforcePPConfig
+from areal_flow.extra_algorithms.reinforce_pp import ReinforcePP, ReinforcePPConfig
 from areal_flow.config import OptimizerConfig, PolicyLossConfig
 from areal_flow.runtime.engine import TrainConfig, TrainEngine
 from tests.dist_train_script import fixed_batch

@@ -24,7 +24,7 @@ import torch
 import uvicorn
 
 from areal_flow.inference.local import LocalEngine
-from areal_flow.inference.server import build_app
+from areal_flow.protocol_server.app import build_app
 from areal_flow.types import GenerationRequest, SamplingParams
 
 PROMPT_TEXT = "Question: what is 12 + 30? Answer:"

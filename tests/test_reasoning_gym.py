@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from areal_flow import registry
 from areal_flow.data import offline
 from areal_flow.data import reasoning_gym as rg_data
-from areal_flow import gsm8k_rl
-from areal_flow.gsm8k_rl import RLConfig, wilson_interval
+from areal_flow import rl_recipes
+from areal_flow.rl_recipes import RLConfig, wilson_interval
 from areal_flow.reward import gsm8k
 from areal_flow.reward.reasoning_gym import grade, reasoning_gym
 from areal_flow.testing.strategies import completion_text
@@ -97,9 +97,9 @@ ROWS_FOR_PROPERTY = offline.train_eval_rows("reasoning_gym:leg_counting?size=10"
 
 def test_a_reasoning_gym_dataset_brings_its_reward_and_its_panel_metrics_to_the_recipes():
     config = RLConfig(dataset=CHAIN_SUM)
-    assert gsm8k_rl.workflow_config(config).reward == "reasoning_gym"
+    assert rl_recipes.workflow_config(config).reward == "reasoning_gym"
     assert registry.rewards.spec("reasoning_gym").metrics is grade
-    assert gsm8k_rl.workflow_config(RLConfig()).reward == "gsm8k"
+    assert rl_recipes.workflow_config(RLConfig()).reward == "gsm8k"
     assert registry.rewards.spec("gsm8k").metrics is gsm8k.grade
 
 

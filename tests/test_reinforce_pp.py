@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from tensordict import TensorDict
 
 from areal_flow import registry
-from areal_flow.algorithms.reinforce_pp import ReinforcePP, ReinforcePPConfig
+from areal_flow.extra_algorithms.reinforce_pp import ReinforcePP, ReinforcePPConfig
 from areal_flow.types import ModelOutput
 from tests.helpers import metrics, run_cli, run_recipe
 
@@ -159,6 +159,6 @@ def test_areal_flow_plugins_lists_it_and_the_registry_resolves_it():
     cells = [[c.strip() for c in row.strip("│ ").split("│")] for row in listing
              if "reinforce_pp" in row]
     assert cells == [["algorithm", "reinforce_pp", "areal-flow 0.1.0",
-                      "areal_flow.algorithms.reinforce_pp:ReinforcePP"]], listing
+                      "areal_flow.extra_algorithms.reinforce_pp:ReinforcePP"]], listing
     spec = registry.algorithms.spec("reinforce_pp")
     assert (spec.cls, spec.config) == (ReinforcePP, ReinforcePPConfig)

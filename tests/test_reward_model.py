@@ -9,7 +9,7 @@ import asyncio
 import pytest
 import torch
 
-from areal_flow.reward.reward_model import RewardModel, load
+from areal_flow.judges.reward_model import RewardModel, load
 from areal_flow.types import SamplingParams
 from areal_flow.workflow.context import RolloutContext
 

@@ -351,9 +351,9 @@ def test_a_run_folder_checkpoint_is_marked_whole_pruned_and_resumes_policy_and_c
 
 def test_the_memory_parts_are_the_weights_gradients_moments_and_the_engines_copies(
         world, tiny_model_dir):
-    """memory/*_gb of the recipe's metrics (gsm8k_rl.memory_parts): counted from the tensors
+    """memory/*_gb of the recipe's metrics (rl_recipes.memory_parts): counted from the tensors
     themselves, so a part that grows (a second copy, moments in fp32) shows."""
-    from areal_flow.gsm8k_rl import memory_parts
+    from areal_flow.rl_recipes import memory_parts
 
     trainer = engine(tiny_model_dir)
     params = sum(p.numel() for p in trainer.model.parameters()) * 4 / 2**30  # fp32 master

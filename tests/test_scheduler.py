@@ -537,11 +537,11 @@ def test_the_openai_endpoint_reports_the_tokenizers_model_name():
     class Named(NullTokenizer):
         name_or_path = "org/some-model"
 
-    assert scheduler([{}]).openai_endpoint.model == "policy"  # a tokenizer without a name
+    assert scheduler([{}]).openai_endpoint().model == "policy"  # a tokenizer without a name
     named = RolloutScheduler(pool=InstantPool(), workflow="tests.flaky", dataset=[{}],
                              tokenizer=Named(), score=unused, config=RolloutConfig(),
                              sampling=SamplingParams())
-    assert named.openai_endpoint.model == "org/some-model"
+    assert named.openai_endpoint().model == "org/some-model"
 
 
 def test_the_runs_seed_changes_every_episodes_seed():

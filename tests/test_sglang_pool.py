@@ -28,9 +28,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from areal_flow import generation_pools
 from areal_flow.inference.launcher import SGLangLauncher, serve_command
 from areal_flow.inference.local import LocalEngine
-from areal_flow.inference.server import build_app
-from areal_flow.inference.sglang_pool import (GenerationError, SGLangPool, WeightUpdateError,
-                                              _resubmission_seed)
+from areal_flow.inference.sglang_pool import GenerationError, SGLangPool, WeightUpdateError
+from areal_flow.inference.sglang_routing import _resubmission_seed
+from areal_flow.protocol_server.app import build_app
 from areal_flow.runtime import weight_sync
 from areal_flow.runtime.engine import TrainConfig, TrainEngine
 from areal_flow.types import GenerationRequest, SamplingParams, WeightUpdate
@@ -758,7 +758,7 @@ def test_user_seeds_are_folded_into_sglangs_range_and_lora_errors_read_from_erro
         addrs, http):
     import httpx as _httpx
 
-    from areal_flow.inference.sglang_pool import _error_message, _lora_error
+    from areal_flow.inference.sglang_servers import error_message, lora_error
 
     prompt = prompts(1)[0]
     pool = SGLangPool([addrs["A"]])
@@ -772,10 +772,10 @@ def test_user_seeds_are_folded_into_sglangs_range_and_lora_errors_read_from_erro
     assert list(out.token_ids) == direct["output_ids"]
     reply = _httpx.Response(400, json={"success": False, "loaded_adapters": {},
                                        "error_message": "LoRA with name policy does not exist"})
-    assert _lora_error(reply) == _error_message(reply) == "LoRA with name policy does not exist"
+    assert lora_error(reply) == error_message(reply) == "LoRA with name policy does not exist"
     printed = _httpx.Response(400, json={"success": False, "error_message": None,
                                          "loaded_adapters": {"does not exist": "/x"}})
-    assert _lora_error(printed) == ""
+    assert lora_error(printed) == ""
 
 
 def test_lora_target_modules_sglang_rejects_are_refused_at_start():
@@ -914,7 +914,11 @@ def test_aborts_reach_the_server_only_for_a_request_it_runs(tiny_model_dir):
                 task = asyncio.ensure_future(pool.generate(
                     req(prompt, rid="waiting", max_new_tokens=400, ignore_eos=True,
                         temperature=0)))
-                await asyncio.sleep(0.3)
+                # paused as soon as it has a token (a fixed sleep let a fast machine finish all
+                # 400 tokens first)
+                await asyncio.to_thread(wait_for, lambda: any(
+                    t >= 1 for t in httpx.get(f"http://{address}/get_load").json()
+                    ["requests"].values()), what="the request generating")
                 await asyncio.to_thread(pool.pause)
                 # the interrupted reply is in: the request waits on no server
                 await asyncio.to_thread(wait_for, lambda: pool.stats()["running"] == 0)

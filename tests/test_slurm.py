@@ -13,7 +13,7 @@ import attrs
 import pytest
 
 from areal_flow.cli import main
-from areal_flow.slurm import RENDEZVOUS_PORT, SlurmJob, sbatch_script
+from areal_flow.launch.slurm import RENDEZVOUS_PORT, SlurmJob, sbatch_script
 
 JOB = SlurmJob(model="/shared/models/qwen", nodes=2, server_nodes=1, servers_per_node=2,
                recipe_args=("--steps", "200", "--run-dir", "runs/a run"))

@@ -11,11 +11,11 @@ import attrs
 import pytest
 import torch
 
-from areal_flow import gsm8k_rl, registry, reward, workflow
+from areal_flow import registry, rl_recipes, reward, workflow
 from areal_flow.algorithms.grpo import GRPOConfig
 from areal_flow.algorithms.ppo import PPOConfig
 from areal_flow.config import RolloutConfig
-from areal_flow.gsm8k_rl import RLConfig
+from areal_flow.rl_recipes import RLConfig
 from areal_flow.rollout.scheduler import RolloutError, RolloutScheduler
 from areal_flow.run import LiveDisplay
 from areal_flow.types import SamplingParams
@@ -92,9 +92,9 @@ def run(workflow_name: str, rows: list[dict], **config):
             config=RolloutConfig(**{"batch_size": len(rows), "group_size": 1, "max_concurrent": 4,
                                     "max_staleness": 0, **config})) as scheduler:
         batch = scheduler.prepare_batch(timeout=30)
-        evaluated = gsm8k_rl.evaluate(RLConfig(eval_size=len(rows)), scheduler, rows)
-        shown = gsm8k_rl.samples(RLConfig(samples_per_step=len(rows)), batch, scheduler)
-        return gsm8k_rl.batch_metrics(RLConfig(), batch, scheduler), evaluated, shown
+        evaluated = rl_recipes.evaluate(RLConfig(eval_size=len(rows)), scheduler, rows)
+        shown = rl_recipes.samples(RLConfig(samples_per_step=len(rows)), batch, scheduler)
+        return rl_recipes.batch_metrics(RLConfig(), batch, scheduler), evaluated, shown
 
 
 ROWS = [{"id": 0, "text": "four", "answer": "four"}, {"id": 1, "text": "one", "answer": "two"},
@@ -140,29 +140,29 @@ def test_the_panel_shows_the_tasks_metrics_where_the_columns_say(capsys):
 
 
 def test_runs_are_named_after_the_task_and_the_algorithm():
-    assert gsm8k_rl.run_name(RLConfig()) == "gsm8k_grpo"
-    assert gsm8k_rl.run_name(RLConfig(dataset="data/countdown.jsonl")) == "countdown_grpo"
-    assert gsm8k_rl.run_name(RLConfig(dataset="reasoning_gym:chain_sum?size=9")) == \
+    assert rl_recipes.run_name(RLConfig()) == "gsm8k_grpo"
+    assert rl_recipes.run_name(RLConfig(dataset="data/countdown.jsonl")) == "countdown_grpo"
+    assert rl_recipes.run_name(RLConfig(dataset="reasoning_gym:chain_sum?size=9")) == \
         "chain_sum_grpo"
-    assert gsm8k_rl.run_name(attrs.evolve(RLConfig(), workflow="countdown.two_turn",
+    assert rl_recipes.run_name(attrs.evolve(RLConfig(), workflow="countdown.two_turn",
                                           algorithm_name="ppo", algorithm=PPOConfig())) == \
         "countdown.two_turn_ppo"
 
 
 def test_algorithm_picks_the_registered_config_class_and_its_typed_options():
-    cfg = gsm8k_rl.cli(RLConfig, ["--algorithm", "ppo", "--algorithm.lam", "0.5", "--steps", "3"])
+    cfg = rl_recipes.cli(RLConfig, ["--algorithm", "ppo", "--algorithm.lam", "0.5", "--steps", "3"])
     assert (cfg.algorithm_name, cfg.algorithm, cfg.steps) == ("ppo", PPOConfig(lam=0.5), 3)
-    assert type(gsm8k_rl.algorithm(cfg)) is registry.algorithms.get("ppo")
+    assert type(rl_recipes.algorithm(cfg)) is registry.algorithms.get("ppo")
     # without --algorithm: the recipe's own, with its own typed options as before
-    cfg = gsm8k_rl.cli(RLConfig, ["--algorithm.kl-coef", "0.1"])
+    cfg = rl_recipes.cli(RLConfig, ["--algorithm.kl-coef", "0.1"])
     assert (cfg.algorithm_name, cfg.algorithm) == ("grpo", GRPOConfig(kl_coef=0.1))
-    by_path = gsm8k_rl.cli(RLConfig, ["--algorithm=areal_flow.algorithms.ppo:PPO"])
+    by_path = rl_recipes.cli(RLConfig, ["--algorithm=areal_flow.algorithms.ppo:PPO"])
     assert by_path.algorithm == PPOConfig()
 
 
 def test_algorithm_help_lists_that_algorithms_options(capsys):
     with pytest.raises(SystemExit):
-        gsm8k_rl.cli(RLConfig, ["--algorithm", "ppo", "--help"])
+        rl_recipes.cli(RLConfig, ["--algorithm", "ppo", "--help"])
     shown = capsys.readouterr().out
     assert "--algorithm.lam" in shown and "--algorithm.std-normalize" not in shown
 
@@ -172,14 +172,14 @@ def test_options_of_another_algorithm_are_refused():
                                          "not a GRPOConfig"):
         RLConfig(algorithm_name="ppo")
     with pytest.raises(SystemExit):  # GRPO's option after --algorithm ppo: tyro names it
-        gsm8k_rl.cli(RLConfig, ["--algorithm", "ppo", "--algorithm.kl-coef", "0.1",
+        rl_recipes.cli(RLConfig, ["--algorithm", "ppo", "--algorithm.kl-coef", "0.1",
                                 "--algorithm.std-normalize"])
 
 
 def test_an_algorithm_that_needs_groups_refuses_groups_of_one_before_any_work():
     with pytest.raises(ValueError, match="--rollout.group-size 1: grpo scores a row against"):
-        gsm8k_rl.algorithm(RLConfig(rollout=RolloutConfig(group_size=1, batch_size=2)))
-    assert gsm8k_rl.algorithm(RLConfig(rollout=RolloutConfig(group_size=2, batch_size=2)))
+        rl_recipes.algorithm(RLConfig(rollout=RolloutConfig(group_size=1, batch_size=2)))
+    assert rl_recipes.algorithm(RLConfig(rollout=RolloutConfig(group_size=2, batch_size=2)))
 
 
 def test_collate_marks_a_metric_an_episode_did_not_report_as_nan():

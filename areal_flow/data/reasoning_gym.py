@@ -24,6 +24,7 @@ import dataclasses
 from typing import Any
 from urllib.parse import unquote
 
+import attrs
 import yaml
 
 PREFIX = "reasoning_gym:"
@@ -111,3 +112,23 @@ def train_eval_rows(spec: str, eval_size: int) -> tuple[list[dict], list[dict], 
                  "training questions and were skipped, so eval over-represents the problems "
                  "training rarely sees; lower size or widen the task config")
     return train, evaluation, note
+
+
+@attrs.frozen
+class ReasoningGymSource:
+    """The ``reasoning_gym`` dataset source (a `DatasetSource`, entry point
+    ``areal_flow.dataset_sources``): ``--dataset 'reasoning_gym:<task>?...'``."""
+
+    reward: str = "reasoning_gym"
+    prompt_template: str = "{question} Reply with only the final answer."
+    """The reward reads the last number or line."""
+
+    def train_eval_rows(self, dataset: str, eval_size: int
+                        ) -> tuple[list[dict], list[dict], str]:
+        return train_eval_rows(dataset, eval_size)
+
+    def task(self, dataset: str) -> str:
+        return parse(dataset)[0]
+
+
+SOURCE = ReasoningGymSource()

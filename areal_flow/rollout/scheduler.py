@@ -37,7 +37,6 @@ from areal_flow.config import RolloutConfig
 from areal_flow.registry import workflows
 from areal_flow.types import (Episode, GenerationPool, RunEndingError, SamplingParams,
                               WorkflowSpec, derived_seed)
-from areal_flow.workflow.openai_endpoint import OpenAIEndpoint
 from areal_flow.workflow.context import PromptTooLong, RolloutContext
 
 log = logging.getLogger(__name__)
@@ -163,9 +162,9 @@ class RolloutScheduler:
 
         self._portal_cm = None
         self._portal: anyio.from_thread.BlockingPortal | None = None
-        # workflows' OpenAI-compatible endpoint: one app, a key per episode, served on this loop
-        self.openai_endpoint = OpenAIEndpoint(model=getattr(tokenizer, "name_or_path", "") or
-                                              "policy")
+        # workflows' OpenAI-compatible endpoint (an agents' part): one app, a key per episode,
+        # served on this loop, made when a first episode asks for it
+        self._openai_endpoint = None
         self._changed: anyio.Event | None = None
         self._cancel: anyio.CancelScope | None = None
 
@@ -186,12 +185,23 @@ class RolloutScheduler:
         if self._portal is None:
             return
         self._portal.call(self._cancel.cancel)
-        self._portal.call(self.openai_endpoint.close)
+        if self._openai_endpoint is not None:
+            self._portal.call(self._openai_endpoint.close)
         self._portal_cm.__exit__(None, None, None)
         self._portal = self._portal_cm = None
 
     def __enter__(self) -> RolloutScheduler:
         return self.start()
+
+    def openai_endpoint(self) -> Any:
+        """The workflows' OpenAI-compatible endpoint (`agents/openai_endpoint.py`, the agents'
+        part), made on the first call: a run whose workflows never ask does not load it."""
+        if self._openai_endpoint is None:
+            from areal_flow.agents.openai_endpoint import OpenAIEndpoint
+
+            self._openai_endpoint = OpenAIEndpoint(
+                model=getattr(self.tokenizer, "name_or_path", "") or "policy")
+        return self._openai_endpoint
 
     def __exit__(self, *exc: object) -> None:
         self.stop()

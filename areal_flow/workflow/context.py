@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import logging
 
@@ -11,7 +11,9 @@ import attrs
 
 from areal_flow.types import (Completion, Episode, GenerationPool, GenerationRequest,
                               SamplingParams, derived_seed)
-from areal_flow.workflow.openai_endpoint import OpenAIAccess, OpenAIEndpoint, Recorder
+
+if TYPE_CHECKING:  # the agents' part, loaded when an episode opens an OpenAI client or server
+    from areal_flow.agents.openai_endpoint import OpenAIAccess, OpenAIEndpoint
 
 
 log = logging.getLogger(__name__)
@@ -44,7 +46,7 @@ class RolloutContext:
         config: Any = None,
         max_prompt_tokens: int | None = None,
         seed: int | None = None,
-        endpoint: OpenAIEndpoint | None = None,
+        endpoint: Callable[[], OpenAIEndpoint] | None = None,
     ):
         self.pool = pool
         self.tokenizer = tokenizer
@@ -65,13 +67,14 @@ class RolloutContext:
         """A prompt the OpenAI endpoint refused as over `max_prompt_tokens`: the scheduler skips
         the sample (as `rlvr`'s too-long prompt) whatever the agent did with the refusal."""
         self._endpoint = endpoint  # the scheduler's, shared by its episodes (made when needed)
-        self._recorder: Recorder | None = None
+        self._app_made: OpenAIEndpoint | None = None
+        self._recorder: Any = None  # openai_endpoint.Recorder
         self._key: str | None = None
 
     def chat(self, messages: list[dict[str, Any]], *, tools: Any = None) -> list[int]:
         """The chat template applied to `messages` (and `tools`, for a template that renders
         them), ending with the assistant's turn opener."""
-        ids = _ids(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+        ids = template_ids(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                       **_tools(tools)))
         if tools is not None:
             _warn_if_tools_unrendered(self.tokenizer, messages, ids)
@@ -199,7 +202,7 @@ class RolloutContext:
                     pool: GenerationPool | None = None, tokenizer: Any = None,
                     scale: tuple[float, float] = (0, 10), timeout: float = 30.0,
                     default: float = 0.0, **sampling: Any) -> float:
-        """An LLM's grade of `completion` by `rubric`, in [0, 1] (`areal_flow.reward.judge`).
+        """An LLM's grade of `completion` by `rubric`, in [0, 1] (`areal_flow.judges.judge`).
 
         The judge (the policy's pool, or `pool` with its `tokenizer`) is asked to end with
         ``Score: N``, N within `scale`; its last such line is mapped to [0, 1]. No score, one
@@ -208,7 +211,7 @@ class RolloutContext:
         enter the episode. `self.metrics` gets the fraction of this episode's judge calls that
         parsed (`judge_parsed`), were out of range (`judge_out_of_range`), timed out
         (`judge_timeout`)."""
-        from areal_flow.reward.judge import Judge
+        from areal_flow.judges.judge import Judge
 
         return await Judge(pool=pool, tokenizer=tokenizer, scale=scale, timeout=timeout,
                            default=default, sampling=sampling)(self, rubric, completion,
@@ -217,9 +220,9 @@ class RolloutContext:
     async def reward_model(self, messages_or_text: str | list[dict[str, Any]], *,
                            model: Any) -> float:
         """A learned reward model's score of a chat (messages, rendered with its chat template)
-        or a text (`areal_flow.reward.reward_model`). `model` is a `RewardModel` or the path of
+        or a text (`areal_flow.judges.reward_model`). `model` is a `RewardModel` or the path of
         one, loaded once per process; concurrent calls are scored in one batch."""
-        from areal_flow.reward.reward_model import RewardModel, load
+        from areal_flow.judges.reward_model import RewardModel, load
 
         rm = model if isinstance(model, RewardModel) else load(model)
         return await rm.score(messages_or_text)
@@ -240,6 +243,8 @@ class RolloutContext:
         """A base URL and key of an OpenAI-compatible HTTP endpoint for this episode, for an
         agent in another process or library (`openai.OpenAI(base_url=..., api_key=...)`); its
         calls are recorded as `openai_client()`'s are."""
+        from areal_flow.agents.openai_endpoint import OpenAIAccess
+
         return OpenAIAccess(await self._app().serve(), self._register())
 
     def recorded_episode(self, choice: int = 0) -> Episode:
@@ -258,12 +263,19 @@ class RolloutContext:
             self._app().release(self._key)
 
     def _app(self) -> OpenAIEndpoint:
-        if self._endpoint is None:
-            self._endpoint = OpenAIEndpoint()
-        return self._endpoint
+        if self._app_made is None:
+            if self._endpoint is not None:  # the scheduler's
+                self._app_made = self._endpoint()
+            else:
+                from areal_flow.agents.openai_endpoint import OpenAIEndpoint
+
+                self._app_made = OpenAIEndpoint()
+        return self._app_made
 
     def _register(self) -> str:
         if self._recorder is None:
+            from areal_flow.agents.openai_endpoint import Recorder
+
             self._recorder = Recorder(self)
             self._key = self._app().register(self._recorder)
         return self._key
@@ -307,14 +319,15 @@ def _warn_if_tools_unrendered(tokenizer: Any, messages: list[dict[str, Any]],
     if template in _TOOLS_CHECKED:
         return
     _TOOLS_CHECKED.add(template)
-    if ids == _ids(tokenizer.apply_chat_template(messages, add_generation_prompt=True)):
+    if ids == template_ids(tokenizer.apply_chat_template(messages, add_generation_prompt=True)):
         log.warning("the chat template of %r does not render `tools`: the model is not shown "
                     "the tools it is given. Use a model whose template renders them, or put "
                     "their description in a system message",
                     getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__)
 
 
-def _ids(encoded: Any) -> list[int]:
+def template_ids(encoded: Any) -> list[int]:
+    """The token ids `apply_chat_template` gave."""
     # transformers 5 returns a BatchEncoding from apply_chat_template; older versions a list
     ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
     return [int(t) for t in ids]

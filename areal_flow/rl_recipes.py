@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import functools
 import itertools
 import json
 import math
 import os
 import re
-import shlex
 import sys
 import time
 from collections.abc import Sequence
@@ -28,13 +26,11 @@ import yaml
 from attrs import validators as v
 
 from areal_flow import registry
-from areal_flow.allocation import (Allocation, AllocationError, cli_arg, launch_command,
-                                   refuse_replaced_flags, slurm_layout)
 from areal_flow.config import (InferenceConfig, OptimizerConfig, RolloutConfig, load,
                                structure)
 from areal_flow.algorithms.functional import flat_groups
 from areal_flow.algorithms.grpo import GRPOConfig
-from areal_flow.data import reasoning_gym
+from areal_flow.data import offline
 from areal_flow.inference.local import LocalEngine
 from areal_flow.rollout.scheduler import RolloutError, RolloutScheduler
 from areal_flow.process_memory import peak_rss_gb, tree_rss_gb
@@ -50,9 +46,10 @@ PROMPT = ("Answer the question. Show short reasoning, then the final number afte
           "Example question: Tom has 3 apples and buys 2 more. How many apples does he have?\n"
           "Example answer: 3 + 2 = 5. #### 5\n\nQuestion: {question}\nAnswer:")
 """A one-shot prompt: SmolLM2-135M then writes '#### N' in about 1 completion of 6."""
-REASONING_GYM_PROMPT = "{question} Reply with only the final answer."
-"""The default prompt for reasoning-gym rows (the reward reads the last number or line)."""
-AllocationOption = Annotated[Allocation | None, cli_arg()]
+AllocationOption = Annotated[str | None, tyro.conf.arg(
+    metavar="'generation: S servers [x tp T], training: R ranks [on ...]'")]
+"""--allocation's one line, kept as text: the grammar is launch's (`launch/allocation.py`),
+loaded only when a run gives one."""
 
 
 @attrs.frozen(kw_only=True)
@@ -100,10 +97,12 @@ class RLConfig(RunConfig):
     train: TrainConfig = TrainConfig(optim=OptimizerConfig(lr=2e-5),
                                      max_tokens_per_mb=512, dtype="auto")
     inference: InferenceConfig = InferenceConfig()
-    allocation: AllocationOption = None
+    allocation: AllocationOption = attrs.field(default=None,
+                                               converter=attrs.converters.optional(str))
     """Where everything runs: 'generation: 2 servers x tp 2, training: 4 ranks' (one node:
     ranks on the first GPUs, servers on the next); '... on 3 nodes x 8 gpus'; '... on cpu'.
-    Sets --inference.backend/server-gpus/tp-size; grammar in areal_flow/allocation.py."""
+    Sets --inference.backend/server-gpus/tp-size; grammar in areal_flow/launch/allocation.py.
+    Kept in its canonical spelling."""
     dry_run: bool = False
     """Print where each process would run (--allocation) and how to start them; then exit,
     before any model or data is read."""
@@ -118,15 +117,20 @@ class RLConfig(RunConfig):
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
         if self.allocation is not None:  # the one source of where generation runs
+            from areal_flow.launch.allocation import Allocation
+
+            allocation = Allocation.parse(self.allocation)
             default = attrs.fields(type(self)).inference.default
-            object.__setattr__(self, "inference",  # frozen: set once, while being built
-                               self.allocation.apply(self.inference, default=default))
+            # frozen: set once, while being built
+            object.__setattr__(self, "allocation", str(allocation))
+            object.__setattr__(self, "inference", allocation.apply(self.inference,
+                                                                   default=default))
         spec = registry.algorithms.spec(self.algorithm_name)  # an unknown name fails here
         options = self.algorithm
         if spec.config is not None and not isinstance(options, spec.config):
             raise ValueError(f"--algorithm {self.algorithm_name} takes a {spec.config.__name__} "
                              f"as its options, not a {type(options).__name__}: build the "
-                             "config with `gsm8k_rl.cli` (the recipes do), or pass "
+                             "config with `rl_recipes.cli` (the recipes do), or pass "
                              f"algorithm={spec.config.__name__}(...)")
         if self.train.ppo_minibatches > self.rollout.batch_size:
             raise ValueError(
@@ -140,10 +144,13 @@ def cli(config_class: type[C], args: Sequence[str] | None = None) -> C:
     the type of the `algorithm` field: NAME's config class, starting from its defaults, so that
     the --algorithm.<field> options that follow are that class's (and `--help` shows them)."""
     args = list(sys.argv[1:] if args is None else args)
-    try:
-        refuse_replaced_flags(args)
-    except AllocationError as error:
-        _usage_error(error)
+    if any(arg.split("=", 1)[0] == "--allocation" for arg in args):
+        from areal_flow.launch.allocation import AllocationError, refuse_replaced_flags
+
+        try:
+            refuse_replaced_flags(args)
+        except AllocationError as error:
+            usage_error(error)
     name = next((value for flag, value in zip(args, args[1:]) if flag == "--algorithm"), None)
     name = next((a.split("=", 1)[1] for a in args if a.startswith("--algorithm=")), name)
     default = attrs.fields_dict(config_class)["algorithm_name"].default
@@ -163,76 +170,11 @@ def cli(config_class: type[C], args: Sequence[str] | None = None) -> C:
     return tyro.cli(config_class, args=args)
 
 
-def _usage_error(error: Exception) -> NoReturn:
+def usage_error(error: Exception) -> NoReturn:
     """Exit 2, as tyro does for a bad option, with the message alone (no traceback)."""
     if int(os.environ.get("RANK", 0)) == 0:  # not once per torchrun rank
         print(f"error: {error}", file=sys.stderr)
     raise SystemExit(2)
-
-
-def dry_run(cfg: RLConfig) -> None:
-    """--dry-run: where each process would run, and the command that starts them."""
-    from rich.console import Console
-
-    from areal_flow.slurm import SlurmJob
-
-    console = Console(soft_wrap=True, highlight=False)
-    say = functools.partial(console.print, markup=False)
-    allocation = cfg.allocation
-    if allocation is None:
-        say(f"no --allocation: generation by the {cfg.inference.backend!r} pool as the "
-            "--inference options say, training on the ranks torchrun starts")
-        return
-    # several nodes: the servers are started by the SLURM job, at its ports
-    port_base = attrs.fields(SlurmJob).port_base.default if allocation.nodes > 1 else None
-    say(f"--allocation '{allocation}': {allocation.summary()}")
-    console.print(allocation.placement(port_base=port_base).table())
-    say(f"start it with:\n  {launch_command(allocation, _recipe_command(drop=('--dry-run',)))}")
-    if allocation.nodes > 1:
-        try:
-            fields = slurm_layout(allocation).job_fields()
-        except AllocationError as error:
-            say(f"(no SLURM job for it: {error})")
-            return
-        flags = " ".join(f"--{name.replace('_', '-')} {value}" for name, value in fields.items())
-        rest = _recipe_command(drop=("--dry-run", "--allocation", "--model"))[1:]
-        say(f"or as a SLURM job, which starts the servers and the training:\n  areal-flow "
-            f"slurm --model {shlex.quote(cfg.model or 'MODEL')} {flags} --out job.sh"
-            + (f" -- {shlex.join(rest)}" if rest else ""))
-
-
-def check_allocation(cfg: RLConfig) -> None:
-    """--allocation against how this process was started: torchrun's world is its training
-    ranks, this node has its GPUs, servers on other nodes come as addresses; exit 2, with the
-    command to use, when not."""
-    if cfg.allocation is None:
-        return
-    try:
-        cfg.allocation.check_launch(
-            world_size=int(os.environ.get("WORLD_SIZE", 1)),
-            local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
-            visible_gpus=torch.cuda.device_count(),
-            has_addresses=bool(cfg.inference.addresses or cfg.inference.addresses_file),
-            command=_recipe_command(drop=()))
-    except AllocationError as error:
-        _usage_error(error)
-
-
-def _recipe_command(drop: Sequence[str]) -> list[str]:
-    """This recipe's command line without the options in `drop` (each with its value, except
-    --dry-run), its path relative to the working folder when inside it."""
-    script, *rest = sys.argv
-    kept, words = [], iter(rest)
-    for arg in words:
-        flag = arg.split("=", 1)[0]
-        if flag not in drop:
-            kept.append(arg)
-        elif "=" not in arg and flag != "--dry-run":
-            next(words, None)  # the option's value
-    path = Path(script).resolve()
-    if path.is_relative_to(Path.cwd()):
-        script = str(path.relative_to(Path.cwd()))
-    return [script, *kept]
 
 
 def algorithm(cfg: RLConfig) -> Any:
@@ -262,8 +204,8 @@ def run_name(cfg: RLConfig) -> str:
         task = cfg.workflow
     elif cfg.dataset is None:
         task = "gsm8k"
-    elif reasoning_gym.is_spec(cfg.dataset):
-        task = cfg.dataset.split(":", 1)[1].split("?", 1)[0]
+    elif (source := offline.source(cfg.dataset)) is not None:
+        task = source.task(cfg.dataset)
     else:
         task = Path(cfg.dataset.split(":", 1)[0]).stem
     return re.sub(r"[^\w.-]+", "_", f"{task}_{cfg.algorithm_name}")
@@ -275,8 +217,6 @@ def load_data(cfg: RLConfig, model: str, rank: int,
     (`check_teacher`), reads the train and eval rows and checks they hold the fields the
     workflow's options name (`check_fields`), before any rank loads weights; a bad --model or
     --dataset fails on every rank with rank 0's error. Other ranks get empty rows."""
-    from areal_flow.data import offline
-
     rows, error = ([], [], ""), None
     if rank == 0:
         try:
@@ -371,8 +311,9 @@ def workflow_config(cfg: RLConfig) -> Any:
                              "and --reward")
         return None
     if cfg.workflow_config is None and spec.config is RLVRConfig:
-        config = RLVRConfig(reward="reasoning_gym", prompt_template=REASONING_GYM_PROMPT) \
-            if reasoning_gym.is_spec(cfg.dataset) else \
+        source = offline.source(cfg.dataset)  # e.g. reasoning_gym: its reward and prompt
+        config = RLVRConfig(reward=source.reward, prompt_template=source.prompt_template) \
+            if source is not None else \
             RLVRConfig(prompt_template=PROMPT, reward_kwargs={"require_work": True})
     elif cfg.workflow_config is None:
         config = spec.config()

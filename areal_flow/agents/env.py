@@ -1,4 +1,4 @@
-"""`env`: the model plays a registered text `Environment` (`areal_flow/environment.py`), one
+"""`env`: the model plays a registered text `Environment` (`areal_flow/agents/environment.py`), one
 reply per step, until the environment ends the episode or `max_turns` replies were made.
 
 The episode holds the first observation as the prompt, every reply (trained on) and every later

@@ -6,7 +6,7 @@ response, one by the rejected one (the chat template applied as for SFT,
 and its end-of-turn token). The two rows are one group, chosen first: `scatter_groups` gives a
 group to one rank and `minibatch_of_rows` to one mini-batch, so the algorithm's `advantages`
 and every optimizer step see both rows of a pair. (Micro-batches are cut by length alone and
-may split a pair; `areal_flow.algorithms.dpo` is written so that this does not matter.)
+may split a pair; `areal_flow.extra_algorithms.dpo` is written so that this does not matter.)
 """
 
 from __future__ import annotations

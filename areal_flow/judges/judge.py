@@ -27,6 +27,7 @@ import anyio
 import attrs
 
 from areal_flow.types import GenerationPool, GenerationRequest, derived_seed
+from areal_flow.workflow.context import template_ids
 
 log = logging.getLogger(__name__)
 
@@ -164,9 +165,7 @@ def _tally(ctx: Any) -> Counter:
 def _chat_ids(tokenizer: Any, text: str) -> list[int]:
     messages = [{"role": "user", "content": text}]
     if getattr(tokenizer, "chat_template", None):
-        from areal_flow.workflow.context import _ids
-
-        ids = _ids(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        ids = template_ids(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
     else:  # a base model: the prompt as plain text
         ids = tokenizer.encode(text)
     return [int(t) for t in ids]

@@ -11,7 +11,7 @@ s(y) = Σ_t log π(y_t | x, y_<t) over the response's tokens (the rows' `loss_ma
                                                         for the sigmoid loss; TRL divides s by
                                                         the number of tokens instead)
 
-averaged over the pairs of the batch. Data: `areal_flow.data.preference.collate_pairs` (one
+averaged over the pairs of the batch. Data: `areal_flow.extra_algorithms.preference.collate_pairs` (one
 group of two rows per pair, chosen first, a ``chosen`` [rows] key).
 
 Micro-batches may split a pair. The runtime keeps a group on one rank and in one mini-batch,
@@ -108,7 +108,7 @@ def check_pairs(group_ids: Tensor, chosen: Tensor) -> None:
     if len(bad):
         i = int(bad[0])
         raise ValueError(f"DPO needs every group to be one chosen and one rejected row "
-                         f"(areal_flow.data.preference.collate_pairs); group "
+                         f"(areal_flow.extra_algorithms.preference.collate_pairs); group "
                          f"{int(group_ids[i])} has {int(rows[i])} row(s), "
                          f"{int(chosen_rows[i])} chosen")
 
@@ -126,7 +126,7 @@ class DPO:
         every row (each micro-batch then reports the batch's values)."""
         if "chosen" not in batch.keys():
             raise ValueError("DPO trains on preference pairs, batches of "
-                             "areal_flow.data.preference.collate_pairs (recipes/dpo.py): this "
+                             "areal_flow.extra_algorithms.preference.collate_pairs (recipes/dpo.py): this "
                              "batch has no 'chosen' key")
         chosen = batch["chosen"].bool()
         check_pairs(batch["group_ids"], chosen)

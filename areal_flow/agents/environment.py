@@ -1,5 +1,5 @@
 """Text environments, gymnasium-style: the `Environment` protocol, `@environment`, and the
-gymnasium adapter. The `env` workflow (`areal_flow/workflow/env.py`) plays them.
+gymnasium adapter. The `env` workflow (`areal_flow/agents/env.py`) plays them.
 
 Registered in `registry.environments` (entry-point group ``areal_flow.environments``): a class
 or factory the workflow calls as ``factory(**kwargs)`` once per episode. The dataset row reaches

@@ -312,7 +312,7 @@ class SlurmLayout:
 
 
 def slurm_layout(allocation: Allocation) -> SlurmLayout:
-    """The numbers for `areal_flow.slurm.SlurmJob`, which runs the same servers on every server
+    """The numbers for `areal_flow.launch.slurm.SlurmJob`, which runs the same servers on every server
     node (tp = gpus // servers a node) and one rank per GPU (one per CPU node) on every
     training node: an allocation that would leave part of a node idle is refused, quoting the
     part and suggesting one that fills its nodes."""

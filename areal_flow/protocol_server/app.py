@@ -1,350 +1,30 @@
-"""SGLang's HTTP protocol (the part areal_flow uses) in front of the in-process `LocalEngine`.
-
-An SGLang server cannot start on a CPU-only machine, so tests and CPU runs start this one instead
-(`areal-flow serve`), and the SGLang generation pool talks to it exactly as to SGLang. Field names,
-defaults, status codes and response shapes follow SGLang's ``entrypoints/http_server.py``,
-``managers/io_struct.py``, ``sampling/sampling_params.py`` and ``utils/weight_versions.py``
-(SGLANG_PROTOCOL.md has the summary). Where this server differs:
-
-- One sequence per ``/generate``; no streaming, no ``text`` prompt, no stop strings, penalties,
-  grammars, ``n > 1`` or prompt logprobs. Such a field, or an unknown one, is refused with 400
-  naming it, so a client never silently gets other semantics. Errors are SGLang's
-  ``{"error": {"message": ...}}`` with status 400.
-- Weight versions are integers here (sent as strings), except SGLang's ``"default"`` of a server
-  started without ``--weight-version``. ``/update_weights_from_disk`` without
-  ``weight_version`` bumps the version by one (SGLang keeps it), so tokens from the new weights
-  never carry the old version; ``/update_weights_from_distributed`` without it keeps the version,
-  as SGLang does, because a bucketed update names the version on its last bucket only. The call
-  that changes the version must complete the model's tensors since the last change (the local
-  engine refuses a partial update; SGLang would load it silently).
-- ``/update_weights_from_distributed`` runs only inside a weight-update session
-  (``/begin_weight_update`` ... ``/end_weight_update``), one at a time, as in SGLang 0.5.23.
-- ``/health`` and ``/health_generate`` are SGLang's generation check: after `health_delay`
-  (SGLang: 1 s; here 0 by default) one greedy token through the engine, 200; a check that takes
-  longer than `health_timeout` (SGLang: 20 s) after that, e.g. held by a pause, answers 503.
-- ``meta_info.weight_versions`` is always sent (SGLang's current behaviour): half-open
-  ``[start, end)`` spans over the output tokens, one per run of tokens from one version;
-  ``weight_version`` is the last span's.
-- ``in_place`` pauses like ``retract``: held requests are re-prefilled under the weights loaded
-  at ``/continue_generation`` (the engine keeps no KV cache across a pause). There is no prefix
-  cache (``cached_tokens`` is 0), but a flush is refused as SGLang refuses it: ``/flush_cache``,
-  and the flush after a weight update (``flush_cache``, the default), fail with 400 while a
-  request runs or waits, including one just aborted by ``abort_all_requests`` (SGLang aborts
-  asynchronously) or held by a retract pause; the update itself is then already applied.
-- An empty body is a 400 on every POST route, and ``sampling_seed`` must lie in
-  ``[-2**63, 2**63)``, as in SGLang. A weight-update session belongs to the server: anyone may
-  end it (a trainer killed between begin and end leaves it open until someone does).
-- The weight-update group is joined as SGLang's ``init_custom_process_group`` joins it: a
-  process group of its own (never the default one), rendezvous at ``master_address:master_port``
-  with the trainer as rank 0, store keys under the group name. The trainer side
-  (`areal_flow.runtime.weight_sync`) builds the same group from public torch classes. A server is
-  in one group at a time (``/destroy_weights_update_group`` leaves it).
-- LoRA (``--enable-lora``): ``/load_lora_adapter`` (a PEFT folder) and ``/unload_lora_adapter``
-  as in SGLang, and ``lora_path`` on ``/generate`` names the adapter. One adapter at a time (a
-  second load is refused until the first is unloaded), and while one is loaded every request
-  must name it (SGLang would serve a request without ``lora_path`` from the base model in the
-  same batch; the local engine cannot mix them). Later adapters must have the first one's rank,
-  alpha and target modules. Loading keeps the weight version, as in SGLang.
-- ``GET /get_load`` is this server's own: the requests in flight with the tokens each has generated
-  so far, and the requests held by a pause (tests wait on it instead of sleeping).
-"""
+"""The server's request handlers over one `LocalEngine`, and the Starlette app that routes
+SGLang's paths to them (`build_app`, `serve`)."""
 
 from __future__ import annotations
 
 import asyncio
-import datetime
 import functools
-import json
 import time
 import uuid
 from typing import Any
 
 import anyio.to_thread
-import attrs
-import cattrs
-import torch
 import torch.distributed as dist
-from cattrs.v import format_exception
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from areal_flow.inference.local import LocalEngine
-from areal_flow.lora import load_adapter
-from areal_flow.types import (
-    Completion,
-    DistributedWeights,
-    GenerationRequest,
-    SamplingParams,
-    WeightUpdate,
-)
-
-GREEDY_BELOW = 1e-6
-"""SGLang samples greedily when 0 <= temperature < 1e-6."""
-HEALTH_CHECK_TIMEOUT_S = 20.0
-"""SGLang's ``HEALTH_CHECK_TIMEOUT``: a health check held longer (e.g. by a pause) answers 503."""
-DEFAULT_VERSION = -1
-"""The engine's version while the server reports SGLang's ``"default"`` (no version given yet)."""
-GROUP_TIMEOUT = datetime.timedelta(minutes=10)
-"""How long joining the weight-update group and each broadcast may take."""
-PAUSE_MODES = ("abort", "retract", "in_place")
-
-
-class BadRequest(ValueError):
-    """A body that does not validate; answered 400 ``{"error": {"message": ...}}``."""
-
-
-# ---------------------------------------------------------------------------- request bodies
-
-
-def _unsupported(default: Any, *also: Any) -> Any:
-    """A field SGLang has and this server does not implement: only its no-op values pass."""
-
-    def check(_: Any, attribute: attrs.Attribute, value: Any) -> None:
-        if value not in (default, *also):
-            raise ValueError(
-                f"'{attribute.name}' is not supported by this server: {value!r} "
-                f"(only {default!r})"
-            )
-
-    return attrs.field(default=default, validator=check)
-
-
-def _version_field(name: str, **kwargs: Any) -> Any:
-    """SGLang sends versions as strings; this server's versions are integers >= 0."""
-
-    def convert(value: Any) -> int | None:
-        if value is None:
-            return None
-        text = str(value)
-        if isinstance(value, bool) or not isinstance(value, (int, str)) or not (
-            text.isascii() and text.isdigit()
-        ):
-            raise ValueError(f"'{name}' must be a non-negative integer or its string: {value!r}")
-        return int(text)
-
-    return attrs.field(converter=convert, **kwargs)
-
-
-def _one_sequence(value: Any) -> list[int]:
-    if isinstance(value, list) and value and all(isinstance(x, list) for x in value):
-        raise ValueError("'input_ids' holds a batch; this server takes one sequence per request")
-    if not isinstance(value, list) or not all(
-        isinstance(x, int) and not isinstance(x, bool) for x in value
-    ):
-        raise ValueError("'input_ids' must be a list of integer token ids")
-    return value
-
-
-@attrs.frozen(kw_only=True)
-class _Sampling:
-    """SGLang's ``sampling_params``."""
-
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    stop_token_ids: list[int] = attrs.field(factory=list)
-    ignore_eos: bool = False
-    sampling_seed: int | None = attrs.field(default=None,
-                                            validator=attrs.validators.optional(
-                                                [attrs.validators.ge(-2**63),
-                                                 attrs.validators.lt(2**63)]))
-    """SGLang's range, [-2**63, 2**63) (an int64)."""
-    skip_special_tokens: bool = True
-    no_stop_trim: bool = False
-    spaces_between_special_tokens: bool = True  # text layout only
-    stream_interval: int | None = None  # streaming only
-    stop: Any = _unsupported(None, "", [])
-    stop_regex: Any = _unsupported(None, "", [])
-    n: Any = _unsupported(1)
-    frequency_penalty: Any = _unsupported(0.0)
-    presence_penalty: Any = _unsupported(0.0)
-    repetition_penalty: Any = _unsupported(1.0)
-    min_new_tokens: Any = _unsupported(0)
-    json_schema: Any = _unsupported(None)
-    regex: Any = _unsupported(None)
-    ebnf: Any = _unsupported(None)
-    structural_tag: Any = _unsupported(None)
-    logit_bias: Any = _unsupported(None, {})
-    custom_params: Any = _unsupported(None, {})
-
-    def params(self) -> SamplingParams:
-        greedy = 0.0 <= self.temperature < GREEDY_BELOW
-        return SamplingParams(
-            max_new_tokens=self.max_new_tokens,
-            temperature=0.0 if greedy else self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos,
-            # the engine's seeds are [0, 2**64): the same 64 bits, as a client folds them
-            seed=None if self.sampling_seed is None else self.sampling_seed % 2**64,
-        )
-
-
-@attrs.frozen(kw_only=True)
-class _Generate:
-    input_ids: Any = attrs.field(converter=_one_sequence)  # Any: the converter checks it
-    sampling_params: _Sampling = attrs.field(factory=_Sampling)
-    rid: str | None = None
-    return_logprob: bool = False
-    return_text_in_logprobs: bool = False
-    log_metrics: bool = True
-    logprob_start_len: Any = _unsupported(-1)
-    top_logprobs_num: Any = _unsupported(0)
-    token_ids_logprob: Any = _unsupported(None)
-    return_hidden_states: Any = _unsupported(False)
-    stream: Any = _unsupported(False)
-    text: Any = _unsupported(None)
-    lora_path: str | None = None
-    """The name of a loaded LoRA adapter (SGLang resolves names, not paths, here)."""
-
-
-@attrs.frozen(kw_only=True)
-class _LoadLora:
-    lora_name: str
-    lora_path: str
-    pinned: bool = False
-    lora_id: str | None = None
-
-
-@attrs.frozen(kw_only=True)
-class _UnloadLora:
-    lora_name: str
-    lora_id: str | None = None
-
-
-LORA_DISABLED = "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."
-
-
-@attrs.frozen(kw_only=True)
-class _Pause:
-    mode: str = attrs.field(default="abort", validator=attrs.validators.in_(PAUSE_MODES))
-
-
-@attrs.frozen(kw_only=True)
-class _Continue:
-    torch_empty_cache: bool = True
-
-
-@attrs.frozen(kw_only=True)
-class _Abort:
-    rid: str = ""
-    abort_all: bool = False
-
-
-@attrs.frozen(kw_only=True)
-class _DiskUpdate:
-    model_path: str
-    weight_version: Any = _version_field("weight_version", default=None)
-    abort_all_requests: bool = False
-    flush_cache: bool = True
-    keep_pause: bool = False
-    torch_empty_cache: bool = False
-    recapture_cuda_graph: bool = False
-    token_step: int = 0
-    load_format: Any = _unsupported(None, "auto")
-    is_async: Any = _unsupported(False)
-    manifest: Any = _unsupported(None)
-
-
-@attrs.frozen(kw_only=True)
-class _VersionUpdate:
-    new_version: Any = _version_field("new_version")
-    abort_all_requests: bool = True
-
-
-@attrs.frozen(kw_only=True)
-class _BeginUpdate:
-    selector: str = attrs.field(default="all",
-                                validator=attrs.validators.in_(("target", "draft", "all")))
-
-
-@attrs.frozen(kw_only=True)
-class _EndUpdate:
-    pass
-
-
-@attrs.frozen(kw_only=True)
-class _GroupInit:
-    master_address: str
-    master_port: int
-    rank_offset: int
-    world_size: int
-    group_name: str = "weight_update_group"
-    backend: str = "nccl"
-
-
-@attrs.frozen(kw_only=True)
-class _DistributedUpdate:
-    names: list[str]
-    dtypes: list[str]
-    shapes: list[list[int]]
-    group_name: str = "weight_update_group"
-    weight_version: Any = _version_field("weight_version", default=None)
-    abort_all_requests: bool = False
-    flush_cache: bool = True
-    torch_empty_cache: bool = False
-    load_format: Any = _unsupported(None, "auto")
-
-
-@attrs.frozen(kw_only=True)
-class _GroupDestroy:
-    group_name: str = "weight_update_group"
-
-
-def _strict(kind: type, accepted: type | tuple[type, ...]):
-    """JSON scalars as they are: true is not 1, "5" is not 5, 2.5 is not 2."""
-
-    def structure(value: Any, _: Any) -> Any:
-        if isinstance(value, bool) != (kind is bool) or not isinstance(value, accepted):
-            raise TypeError(f"expected {kind.__name__}, got {type(value).__name__}")
-        return kind(value)
-
-    return structure
-
-
-_converter = cattrs.Converter(forbid_extra_keys=True)
-for _kind, _accepted in ((int, int), (float, (int, float)), (bool, bool), (str, str)):
-    _converter.register_structure_hook(_kind, _strict(_kind, _accepted))
-
-
-def _describe(exc: BaseException, type_: Any) -> str:
-    if isinstance(exc, (ValueError, TypeError)):
-        return str(exc)
-    return format_exception(exc, type_)
-
-
-def _without_nulls(data: dict) -> dict:
-    """SGLang reads a JSON null as 'use the default'."""
-    return {k: _without_nulls(v) if isinstance(v, dict) else v
-            for k, v in data.items() if v is not None}
-
-
-async def _parse(request: Request, cls: type) -> Any:
-    raw = await request.body()
-    if not raw.strip():  # SGLang's FastAPI routes require a body, even where every field has a default
-        raise BadRequest("body: Field required (send a JSON object, {} for the defaults)")
-    try:
-        data = json.loads(raw)
-        if not isinstance(data, dict):
-            raise BadRequest("the request body must be a JSON object")
-        data = _without_nulls(data)
-    except RecursionError:
-        raise BadRequest("the request body is nested too deeply") from None
-    except BadRequest:
-        raise
-    except ValueError:
-        raise BadRequest("the request body is not valid JSON") from None
-    try:
-        return _converter.structure(data, cls)
-    except Exception as exc:  # cattrs gathers every problem with its path
-        problems = cattrs.transform_error(exc, path="body", format_exception=_describe)
-        raise BadRequest("; ".join(problems)) from None
+from areal_flow.protocol_server.requests import (
+    DEFAULT_VERSION, HEALTH_CHECK_TIMEOUT_S, LORA_DISABLED, Abort, BadRequest, BeginUpdate,
+    Continue, DiskUpdate, DistributedUpdate, EndUpdate, Generate, GroupDestroy, GroupInit,
+    LoadLora, Pause, UnloadLora, VersionUpdate, parse)
+from areal_flow.protocol_server.weight_group import (join_group, load_adapter_keeping_version,
+                                                     receive, torch_dtype)
+from areal_flow.types import (Completion, DistributedWeights, GenerationRequest,
+                              SamplingParams, WeightUpdate)
 
 
 # ---------------------------------------------------------------------------- responses
@@ -419,7 +99,7 @@ class _Server:
     # -- generation
 
     async def generate(self, request: Request) -> Response:
-        body: _Generate = await _parse(request, _Generate)
+        body: Generate = await parse(request, Generate)
         try:
             req = GenerationRequest(input_ids=body.input_ids, rid=body.rid or uuid.uuid4().hex,
                                     sampling=body.sampling_params.params())
@@ -480,7 +160,7 @@ class _Server:
             pass
         self.engine.abort(rid)
 
-    def _reply(self, req: GenerationRequest, body: _Generate, c: Completion,
+    def _reply(self, req: GenerationRequest, body: Generate, c: Completion,
                latency: float) -> dict:
         sp = body.sampling_params
         trim = c.finish_reason == "stop" and not sp.no_stop_trim  # SGLang drops it from the text
@@ -548,7 +228,7 @@ class _Server:
     # -- pausing and aborting
 
     async def pause_generation(self, request: Request) -> Response:
-        body: _Pause = await _parse(request, _Pause)
+        body: Pause = await parse(request, Pause)
         async with self.control:
             self.resumed.clear()
             await self.pause_modes[body.mode]()
@@ -564,14 +244,14 @@ class _Server:
         await anyio.to_thread.run_sync(self.engine.pause)
 
     async def continue_generation(self, request: Request) -> Response:
-        await _parse(request, _Continue)
+        await parse(request, Continue)
         async with self.control:
             self.engine.resume()
             self.resumed.set()
         return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
 
     async def abort_request(self, request: Request) -> Response:
-        body: _Abort = await _parse(request, _Abort)
+        body: Abort = await parse(request, Abort)
         self._abort("" if body.abort_all else body.rid)
         return Response(status_code=200)
 
@@ -610,7 +290,7 @@ class _Server:
         return None
 
     async def update_weights_from_disk(self, request: Request) -> Response:
-        body: _DiskUpdate = await _parse(request, _DiskUpdate)
+        body: DiskUpdate = await parse(request, DiskUpdate)
         async with self.control:
             version = body.weight_version
             version = self.engine.version + 1 if version is None else version
@@ -627,7 +307,7 @@ class _Server:
                              f"{version}.", num_paused_requests=paused)
 
     async def update_weight_version(self, request: Request) -> Response:
-        body: _VersionUpdate = await _parse(request, _VersionUpdate)
+        body: VersionUpdate = await parse(request, VersionUpdate)
         async with self.control:
             if body.abort_all_requests:
                 self._abort()
@@ -636,7 +316,7 @@ class _Server:
                              f"{body.new_version}", "new_version": str(body.new_version)})
 
     async def load_lora_adapter(self, request: Request) -> Response:
-        body: _LoadLora = await _parse(request, _LoadLora)
+        body: LoadLora = await parse(request, LoadLora)
         async with self.control:
             if not self.enable_lora:
                 return self._lora_result(LORA_DISABLED)
@@ -648,14 +328,14 @@ class _Server:
                     f"Failed to load LoRA adapter {body.lora_name}: this server holds one adapter "
                     f"at a time and {next(iter(self.loras))!r} is loaded; unload it first")
             try:
-                await anyio.to_thread.run_sync(_load_adapter, self.engine, body.lora_path)
+                await anyio.to_thread.run_sync(load_adapter_keeping_version, self.engine, body.lora_path)
             except Exception as exc:
                 return self._lora_result(f"Failed to load LoRA adapter {body.lora_name}: {exc}")
             self.loras[body.lora_name] = body.lora_path
         return self._lora_result(None)
 
     async def unload_lora_adapter(self, request: Request) -> Response:
-        body: _UnloadLora = await _parse(request, _UnloadLora)
+        body: UnloadLora = await parse(request, UnloadLora)
         async with self.control:
             if not self.enable_lora:
                 return self._lora_result(LORA_DISABLED)
@@ -674,7 +354,7 @@ class _Server:
                             status_code=200 if error is None else 400)
 
     async def begin_weight_update(self, request: Request) -> Response:
-        await _parse(request, _BeginUpdate)
+        await parse(request, BeginUpdate)
         if self.updating:
             return _result(False, "begin_weight_update called while a weight-update session is "
                                   "already open")
@@ -682,30 +362,30 @@ class _Server:
         return _result(True, "Success")
 
     async def end_weight_update(self, request: Request) -> Response:
-        await _parse(request, _EndUpdate)
+        await parse(request, EndUpdate)
         if not self.updating:
             return _result(False, "end_weight_update called without begin_weight_update")
         self.updating = False
         return _result(True, "Success")
 
     async def init_weights_update_group(self, request: Request) -> Response:
-        body: _GroupInit = await _parse(request, _GroupInit)
+        body: GroupInit = await parse(request, GroupInit)
         async with self.group_lock:  # blocks until every rank joins, so not the control lock
             if self.group is not None:
                 return _result(False, f"already in weight update group {self.group!r}")
             try:
-                self.group_pg = await anyio.to_thread.run_sync(_join_group, body)
+                self.group_pg = await anyio.to_thread.run_sync(join_group, body)
             except Exception as exc:
                 return _result(False, f"Failed to initialize custom process group: {exc}")
             self.group = body.group_name
         return _result(True, "Succeeded to initialize custom process group.")
 
     async def update_weights_from_distributed(self, request: Request) -> Response:
-        body: _DistributedUpdate = await _parse(request, _DistributedUpdate)
+        body: DistributedUpdate = await parse(request, DistributedUpdate)
         try:
             meta = DistributedWeights(names=body.names, dtypes=body.dtypes, shapes=body.shapes,
                                       group_name=body.group_name)
-            dtypes = [_torch_dtype(d) for d in meta.dtypes]
+            dtypes = [torch_dtype(d) for d in meta.dtypes]
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
         if not self.updating:
@@ -715,9 +395,9 @@ class _Server:
             if self.group != meta.group_name:
                 return _result(False, f"not in weight update group {meta.group_name!r}; call "
                                       "/init_weights_update_group first")
-            receive = functools.partial(_receive, self.group_pg, meta, dtypes, self.engine.device)
+            broadcast = functools.partial(receive, self.group_pg, meta, dtypes, self.engine.device)
             try:
-                tensors = await anyio.to_thread.run_sync(receive)
+                tensors = await anyio.to_thread.run_sync(broadcast)
             except Exception as exc:
                 return _result(False, f"Failed to receive weights: {exc}")
         async with self.control:
@@ -733,7 +413,7 @@ class _Server:
                              f"{label(version)}.")
 
     async def destroy_weights_update_group(self, request: Request) -> Response:
-        body: _GroupDestroy = await _parse(request, _GroupDestroy)
+        body: GroupDestroy = await parse(request, GroupDestroy)
         async with self.group_lock:
             if self.group != body.group_name:
                 return _result(False, f"not in weight update group {body.group_name!r}")
@@ -748,59 +428,6 @@ class _Server:
         self.stopping = True
         if self.group is not None:
             self._leave_group()
-
-
-def _load_adapter(engine: LocalEngine, path: str) -> None:
-    """Load a PEFT adapter folder into `engine`, keeping its weight version (SGLang's load
-    leaves the version alone; a `WeightUpdate` needs one)."""
-    config, state = load_adapter(path)
-    was_paused = engine.paused
-    engine.pause()  # no token between the load and the version's restore
-    try:
-        version = engine.version
-        engine.update_weights(WeightUpdate(version=max(version, 0), state_dict=state,
-                                           lora=config))
-        engine.set_version(version)
-    finally:
-        if not was_paused:
-            engine.resume()
-
-
-def _torch_dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"'dtypes' holds an unknown torch dtype: {name!r}")
-    return dtype
-
-
-def _join_group(body: _GroupInit) -> dist.ProcessGroup:
-    """Join the weight-update group the way SGLang's ``init_custom_process_group`` does, with the
-    same private torch helper, so that this server exercises a trainer exactly as SGLang would:
-    a TCP-store rendezvous (the trainer, rank 0, hosts the store), keys prefixed with the group
-    name, and a process group beside -- never replacing -- the default one."""
-    from torch.distributed.distributed_c10d import _new_process_group_helper, _world
-    from torch.distributed.rendezvous import rendezvous
-
-    url = f"tcp://{body.master_address}:{body.master_port}"
-    store, rank, world_size = next(rendezvous(url, body.rank_offset, body.world_size,
-                                              timeout=GROUP_TIMEOUT))
-    store.set_timeout(GROUP_TIMEOUT)
-    pg, _ = _new_process_group_helper(
-        world_size, rank, [], dist.Backend(body.backend), dist.PrefixStore(body.group_name, store),
-        group_name=body.group_name, timeout=GROUP_TIMEOUT,
-    )
-    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}  # group ranks are global ranks
-    return pg
-
-
-def _receive(group: dist.ProcessGroup, meta: DistributedWeights, dtypes: list[torch.dtype],
-             device: torch.device) -> dict:
-    """The trainer (rank 0 of the group) broadcasts the tensors in the order of `meta.names`."""
-    tensors = {}
-    for name, dtype, shape in zip(meta.names, dtypes, meta.shapes):
-        tensors[name] = torch.empty(shape, dtype=dtype, device=device)
-        dist.broadcast(tensors[name], src=0, group=group)
-    return tensors
 
 
 async def _bad_request(request: Request, exc: Exception) -> Response:

@@ -1,0 +1,317 @@
+"""The SGLang pool's requests: routing each to a server, resubmitting it after an interruption
+or a failure, and joining its replies into one `Completion`.
+
+- **Routing.** Each request goes to the server in rotation with the fewest in-flight requests;
+  requests of one `episode_id` stick to one server while it stays in rotation (its prefix cache
+  holds the earlier turns), and a resubmitted request goes back to the server it was on.
+- **Interruption** (DESIGN.md): `pause` calls ``/pause_generation`` ``{"mode": "abort"}`` on every
+  server, so running requests come back with ``finish_reason.type == "abort"`` and their tokens so
+  far; the pool keeps those tokens, waits for `resume`, and resubmits prompt + tokens so far with
+  the remaining ``max_new_tokens``. Tokens, logprobs and per-token versions are concatenated, so a
+  caller never sees the abort. A sampled request with a seed is resubmitted with a seed derived
+  from (seed, tokens so far): it stays reproducible for the same interruption points, and the
+  continuation does not replay the random numbers that drew the first tokens.
+- **Failures.** A connection error, reset or timeout takes the server out of rotation (counted in
+  ``dead_servers``) and the request is resubmitted elsewhere with the tokens it had before that
+  attempt; nothing already received is lost. So does a reply labelled with a version that is not
+  the pool's integer (SGLang's ``"default"``: the server restarted), whose tokens are dropped.
+  Taking a server out cancels its ``/generate`` calls in flight, so their requests continue
+  elsewhere at once: a frozen server (SIGSTOP) would otherwise hold them for the request timeout.
+  The periodic refresh (every `refresh_interval`, 1 s) health-checks (``GET /health``) each server
+  in rotation that holds requests, one check at a time, and takes out one that does not answer
+  within the health budget; so a server that freezes is out after ~`health_timeout` (31 s in all
+  by default), even when no pause comes to notice it. Servers out of rotation are health-checked
+  by the same refresh and come back once they answer, after catching up on the weights. SGLang's
+  ``/health`` generates one token after ~1 s and, while generation is paused, is held and answers
+  503 after ~20 s: the health budget is 30 s, a 5xx is an answer, and no health check runs (or
+  counts) while the pool itself is paused. Control calls retry connection errors with backoff
+  (stamina).
+- **Request ids.** Each attempt goes out under a fresh id: 32 hex digits, a dash, and the
+  request's own id: SGLang's ``/abort_request`` aborts every id that starts with the given one, so
+  no id sent may be a prefix of another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Coroutine
+from typing import Any
+
+import attrs
+import httpx
+
+from areal_flow.inference.sglang_servers import Server, ServerDown, ServerError, error_message
+from areal_flow.inference.sglang_weights import LORA_NAME
+from areal_flow.types import Completion, FinishReason, GenerationRequest, derived_seed
+
+log = logging.getLogger(__name__)
+
+_FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+
+class GenerationError(RuntimeError):
+    """A request failed for good: refused by a server, or resubmitted too often in vain."""
+
+
+
+@attrs.define(eq=False)
+class Active:
+    """A `generate` call while the pool holds it: everything received so far."""
+
+    request: GenerationRequest
+    tokens: list[int] = attrs.field(factory=list)
+    logprobs: list[float] = attrs.field(factory=list)
+    versions: list[int] = attrs.field(factory=list)
+    texts: list[str | None] = attrs.field(factory=list)
+    server: Server | None = None
+    failed_on: Server | None = None
+    """The server that last answered 5xx: the next try prefers any other."""
+    wire_rid: str | None = None
+    posted: bool = False
+    cancelled: bool = False
+    failures: int = 0
+    """Server failures since the last token received."""
+    stalls: int = 0
+    """Aborts nobody asked for (no pause, no cancellation) since the last token received."""
+
+    @property
+    def remaining(self) -> int:
+        return self.request.sampling.max_new_tokens - len(self.tokens)
+
+
+
+def _resubmission_seed(seed: int | None, produced: int) -> int | None:
+    return seed if seed is None or produced == 0 else derived_seed(seed, produced)
+
+
+def _version(label: Any) -> int:
+    try:
+        return int(label)
+    except (TypeError, ValueError):
+        # the pool labels every server when it joins: this one restarted since (SGLang's
+        # "default"), so its weights are unknown
+        raise ServerDown(f"it reports weight version {label!r}, not the pool's label") from None
+
+
+def _token_versions(meta: dict, n: int) -> list[int]:
+    """Per-token versions from ``weight_versions`` spans, else ``weight_version`` for all."""
+    spans = meta.get("weight_versions")
+    if not spans:
+        return [_version(meta.get("weight_version"))] * n
+    versions: list[int | None] = [None] * n
+    for span in spans:
+        label = _version(span["version"])
+        for i in range(span["start"], min(span["end"], n)):
+            versions[i] = label
+    if None in versions:
+        raise GenerationError(f"'weight_versions' does not cover the {n} output tokens: {spans}")
+    return versions  # type: ignore[return-value]
+
+
+
+class Routing:
+    """The pool's part that carries requests to servers (mixed into `SGLangPool`)."""
+
+    async def _generate(self, request: GenerationRequest) -> Completion:
+        if request.rid in self._active:
+            raise ValueError(f"request id {request.rid!r} is already being generated")
+        active = self._active[request.rid] = Active(request)
+        task = asyncio.current_task()
+        self._tasks.add(task)
+        try:
+            return await self._complete(active)
+        except asyncio.CancelledError:
+            if self._closed:
+                raise RuntimeError("the SGLang pool was closed") from None
+            raise
+        finally:
+            self._tasks.discard(task)
+            del self._active[request.rid]
+
+    async def _complete(self, active: Active) -> Completion:
+        while True:
+            async with self._changed:
+                await self._changed.wait_for(lambda: not self._paused or active.cancelled)
+            if active.cancelled:
+                return self._completion(active, "abort")
+            server = await self._route(active)
+            if self._paused:  # paused while waiting for a server: wait for resume first
+                continue
+            active.wire_rid = f"{uuid.uuid4().hex}-{active.request.rid}"
+            active.server, active.posted = server, True
+            epoch, sent_at = self._epoch, self._version
+            server.inflight += 1
+            try:
+                reply = await self._on_server(server, self._post_generate(server,
+                                                                          self._body(active)))
+                versions = _token_versions(reply["meta_info"], len(reply["output_ids"]))
+                if versions and min(versions) < sent_at:  # never, when joining servers catch up
+                    self._counts["behind_replies"] += 1
+            except (ServerDown, ServerError) as exc:
+                if isinstance(exc, ServerDown):
+                    self._take_out(server, exc)
+                else:  # it answered, so it is alive; the next try goes elsewhere if it can
+                    active.failed_on = server
+                    log.warning("retrying request %r: %s", active.request.rid, exc)
+                active.failures += 1
+                if active.failures > self._retries:
+                    raise GenerationError(f"request {active.request.rid!r} failed "
+                                          f"{active.failures} times; last: {exc}") from exc
+                self._counts["retries"] += 1
+                continue
+            except asyncio.CancelledError:
+                if not self._closed:  # closing the connection aborts it too; this is explicit
+                    self._spawn(self._quietly(self._post(server, "/abort_request",
+                                                         {"rid": active.wire_rid})))
+                raise
+            finally:
+                server.inflight -= 1
+                active.posted = False
+
+            finish = self._extend(active, reply, versions)
+            reason = _FINISH_REASONS.get(finish.get("type"))
+            if reason is None:
+                raise GenerationError(f"unknown finish_reason from {server.address}: {finish}")
+            if reason != "abort":
+                return self._completion(active, reason)
+            if active.cancelled:
+                return self._completion(active, "abort")
+            if active.remaining == 0:
+                return self._completion(active, "length")
+            status = finish.get("status_code")
+            if isinstance(status, int) and status >= 400:
+                raise GenerationError(f"{server.address} aborted request {active.request.rid!r} "
+                                      f"({status}): {finish.get('message')}")
+            if epoch == self._epoch and not self._paused:  # nobody here paused it
+                active.stalls += 1
+                if active.stalls > self._retries:
+                    raise GenerationError(f"{server.address} keeps aborting request "
+                                          f"{active.request.rid!r}: {finish.get('message')}")
+            self._counts["resubmissions"] += 1
+
+    async def _route(self, active: Active) -> Server:
+        """The server for the next attempt: the previous one, else the episode's, else the least
+        loaded (ties: the one given fewer requests so far); after a 5xx answer, any other server
+        in rotation before the one that gave it."""
+        rotation = self._rotation()
+        if not rotation:
+            try:
+                async with asyncio.timeout(self._no_server_timeout):
+                    while not (rotation := self._rotation()):
+                        self._available.clear()
+                        await self._available.wait()
+            except TimeoutError:
+                raise GenerationError(
+                    f"no SGLang server in rotation for {self._no_server_timeout} s; known: "
+                    f"{sorted(self._servers)}") from None
+        episode = active.request.episode_id
+        sticky = self._sticky.get(episode) if episode is not None else None
+        others = [s for s in rotation if s is not active.failed_on] or rotation
+        if active.server is not None and active.server in others:
+            chosen = active.server
+        elif sticky is not None and sticky in others:
+            chosen = sticky
+        else:
+            chosen = min(others, key=lambda s: (s.inflight, s.routed))
+        if episode is not None:
+            self._sticky[episode] = chosen
+            self._sticky.move_to_end(episode)
+            while len(self._sticky) > self._sticky_capacity:
+                self._sticky.popitem(last=False)
+        chosen.routed += 1
+        return chosen
+
+    def _body(self, active: Active) -> dict[str, Any]:
+        sp = active.request.sampling
+        params: dict[str, Any] = {
+            "max_new_tokens": active.remaining,
+            "temperature": sp.temperature,  # 0 is greedy, in SGLang too
+            "top_p": sp.top_p,
+            "top_k": sp.top_k,
+            "min_p": sp.min_p,
+            "stop_token_ids": list(sp.stop_token_ids),
+            "ignore_eos": sp.ignore_eos,
+            "no_stop_trim": True,  # the text holds every token, as the local engine's does
+        }
+        seed = _resubmission_seed(sp.seed, len(active.tokens))
+        if seed is not None and not sp.greedy:
+            # SGLang takes int64 seeds: the same 64 bits, read as signed (areal-flow serve
+            # reads them back as unsigned, so both servers sample alike)
+            params["sampling_seed"] = seed - 2**64 if seed >= 2**63 else seed
+        body = {"input_ids": [*active.request.input_ids, *active.tokens],
+                "sampling_params": params, "rid": active.wire_rid, "return_logprob": True}
+        if self._adapter is not None:
+            body["lora_path"] = LORA_NAME  # SGLang resolves an adapter by its name here
+        return body
+
+    async def _on_server(self, server: Server, coro: Coroutine) -> Any:
+        """Awaits `coro` as a task of `server`'s, which `_take_out` cancels: that reads here as
+        `ServerDown`; a cancellation of the caller (explicit abort, close) propagates."""
+        post = asyncio.ensure_future(coro)
+        server.posts.add(post)
+        try:
+            return await post
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():
+                raise
+            raise ServerDown(f"{server.address} was taken out of rotation") from None
+        finally:
+            server.posts.discard(post)
+
+    async def _post_generate(self, server: Server, body: dict) -> dict:
+        try:
+            response = await self._client.post(f"{server.url}/generate", json=body,
+                                               timeout=self._generate_timeout)
+        except httpx.TransportError as exc:
+            raise ServerDown(f"{server.address}: {exc!r}") from exc
+        if response.status_code >= 500:
+            raise ServerError(f"{server.address} answered {response.status_code}: "
+                               f"{error_message(response)}")
+        if response.status_code != 200:
+            raise GenerationError(f"{server.address} refused the request "
+                                  f"({response.status_code}): {error_message(response)}")
+        return response.json()
+
+    def _extend(self, active: Active, reply: dict, versions: list[int]) -> dict:
+        """Append a reply's tokens (made by `versions`) to `active`; returns its finish_reason."""
+        meta = reply["meta_info"]
+        tokens = list(reply["output_ids"])
+        pairs = meta.get("output_token_logprobs") or []
+        if [int(p[1]) for p in pairs] != tokens:
+            raise GenerationError("'output_token_logprobs' does not match 'output_ids'")
+        active.tokens += tokens
+        active.logprobs += [float(p[0]) for p in pairs]
+        active.versions += versions
+        active.texts.append(reply.get("text"))
+        if tokens:
+            active.failures = active.stalls = 0
+        self._counts["generated_tokens"] += len(tokens)
+        return meta.get("finish_reason") or {}
+
+    def _completion(self, active: Active, reason: FinishReason) -> Completion:
+        if self._tokenizer is not None:
+            text = self._tokenizer.decode(active.tokens, skip_special_tokens=True)
+        elif None in active.texts:
+            text = None
+        else:
+            text = "".join(active.texts)
+        self._counts["requests"] += 1
+        return Completion(token_ids=active.tokens, logprobs=active.logprobs,
+                          versions=active.versions, finish_reason=reason,
+                          temperature=active.request.sampling.logprob_temperature, text=text)
+
+    async def _abort(self, rid: str | None) -> None:
+        targets = list(self._active.values()) if rid is None else [
+            a for a in [self._active.get(rid)] if a is not None]
+        calls = []
+        for active in targets:
+            active.cancelled = True
+            if active.posted:
+                calls.append(self._quietly(self._post(active.server, "/abort_request",
+                                                      {"rid": active.wire_rid})))
+        await asyncio.gather(*calls)
+        async with self._changed:
+            self._changed.notify_all()

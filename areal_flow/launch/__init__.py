@@ -1,0 +1,3 @@
+"""Launch, an optional part: where each process runs (`allocation`, the --allocation grammar),
+SLURM jobs (`slurm`), leases on servers several runs share (`lease`) and a recipe's --dry-run
+(`recipe`). The core loads it only when one of those is asked for."""
