@@ -126,8 +126,10 @@ def test_grpo_learns_from_bf16_rollouts_with_the_correction_auto_chooses(world, 
     """Rollouts in bf16 against fp32 training, the recipes' default where bf16 decodes faster:
     `mismatch_correction` "auto" settles on TIS there, and the reward rises over five seeds as
     with fp32 rollouts (mean reward over all steps, the area under the curve, within 0.05;
-    five seeds: at η = 1 thread timing decides which tokens are stale, and three seeds' mean
-    fell under the bound in about one run in four)."""
+    ten seeds: thread timing decides which tokens are stale and how requests batch, so no seed
+    repeats itself exactly, and one seed's area spreads by about 0.045. Five seeds' mean fell
+    under the bound once in the full suite: 0.425 against 0.491. Ten seeds of each, measured
+    then: 0.504 against 0.501, the bound 2.5 spreads of the difference away)."""
     from areal_flow.runtime.precision import mismatch_default
 
     loss = PolicyLossConfig(recompute_proximal=False)  # the recipes' setting
@@ -136,7 +138,7 @@ def test_grpo_learns_from_bf16_rollouts_with_the_correction_auto_chooses(world, 
     area = {}
     for dtype, config in (("float32", loss), ("bfloat16", corrected)):
         curves = [run(tiny_model_dir, GRPO(GRPOConfig(loss=config)), eta=1, seed=seed,
-                      dtype=dtype, steps=20) for seed in range(5)]
+                      dtype=dtype, steps=20) for seed in range(10)]
         for rewards, stats, _ in curves:
             assert_learned(rewards)
         area[dtype] = sum(sum(r) / len(r) for r, _, _ in curves) / len(curves)
@@ -154,7 +156,7 @@ def test_the_trainer_thread_decodes_while_it_waits_for_its_batch(tiny_model_dir,
     import threading
 
     from areal_flow.config import InferenceConfig
-    from areal_flow.gsm8k_rl import RLConfig, evaluate, next_batch
+    from areal_flow.rl_recipes import RLConfig, evaluate, next_batch
     from areal_flow.run import StopRequest
 
     engine = LocalEngine(tiny_model_dir, seed=0)
