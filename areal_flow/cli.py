@@ -219,7 +219,7 @@ def eval_(cfg: EvalConfig) -> int:
     summary = evaluation.run(plan, console)
     _say(evaluation.headline(summary))
     console.print(evaluation.table(summary))
-    _say(f"wrote {plan['out']} and {evaluation.summary_path(plan['out'])} in "
+    _say(f"wrote {plan.out} and {evaluation.summary_path(plan.out)} in "
          f"{summary['seconds']:g} s (peak memory {summary['peak_rss_gb']:.1f} GB)")
     return 0
 

@@ -83,7 +83,22 @@ def ks(cfg: EvalConfig) -> list[int]:
     return sorted(set(cfg.k) if cfg.k else {n, *(2 ** i for i in range(n.bit_length()))})
 
 
-def prepare(cfg: EvalConfig) -> dict[str, Any]:
+@attrs.frozen(kw_only=True)
+class EvalPlan:
+    """What `prepare` checked, for `run`: the options, the rows and where the results go."""
+
+    cfg: EvalConfig
+    rl: Any
+    """The recipes' config (`rl_recipes.RLConfig`) the same options make."""
+    workflow_config: Any
+    pool_class: type
+    rows: list[dict]
+    model: str
+    out: Path
+    """The jsonl of per-row records (the summary goes beside it, `summary_path`)."""
+
+
+def prepare(cfg: EvalConfig) -> EvalPlan:
     """Check names, rows and model before any weights load (errors name the option)."""
     from areal_flow import registry, rl_recipes
     from areal_flow.data import offline
@@ -109,8 +124,8 @@ def prepare(cfg: EvalConfig) -> dict[str, Any]:
     rl_recipes.check_model(rl, model)
     task = rl_recipes.run_name(rl).removesuffix(f"_{rl.algorithm_name}")
     out = Path(cfg.out or Path("evals") / f"{task}-{datetime.now():%Y%m%d-%H%M%S}.jsonl")
-    return {"cfg": cfg, "rl": rl, "workflow_config": workflow_config, "pool_class": pool_class,
-            "rows": rows, "model": model, "out": out}
+    return EvalPlan(cfg=cfg, rl=rl, workflow_config=workflow_config, pool_class=pool_class,
+                    rows=rows, model=model, out=out)
 
 
 def row_record(index: int, row: dict, greedy: list[Episode], sampled: list[Episode],
@@ -167,7 +182,7 @@ def summarize(records: list[dict[str, Any]], cfg: EvalConfig) -> dict[str, Any]:
             "sampled": sampled}
 
 
-def run(plan: dict[str, Any], console: Any = None) -> dict[str, Any]:
+def run(plan: EvalPlan, console: Any = None) -> dict[str, Any]:
     """Serve the model with the pool, roll out every row, write the jsonl and the summary."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
@@ -177,16 +192,16 @@ def run(plan: dict[str, Any], console: Any = None) -> dict[str, Any]:
     from areal_flow.rollout.scheduler import RolloutScheduler
     from areal_flow.process_memory import peak_rss_gb
 
-    cfg, rl, rows, out = plan["cfg"], plan["rl"], plan["rows"], plan["out"]
+    cfg, rl, rows, out = plan.cfg, plan.rl, plan.rows, plan.out
     console = console or Console()
     began = time.perf_counter()
     out.parent.mkdir(parents=True, exist_ok=True)
-    tokenizer = AutoTokenizer.from_pretrained(plan["model"])
-    pool = plan["pool_class"].from_config(cfg.inference, model=plan["model"], seed=cfg.seed,
+    tokenizer = AutoTokenizer.from_pretrained(plan.model)
+    pool = plan.pool_class.from_config(cfg.inference, model=plan.model, seed=cfg.seed,
                                           run_dir=out.parent)
     if cfg.inference.addresses or cfg.inference.addresses_file:
         # servers attached by address may hold another run's weights: evaluate --model's
-        pool.update_weights(WeightUpdate(version=0, path=str(plan["model"])))
+        pool.update_weights(WeightUpdate(version=0, path=str(plan.model)))
     rewards = RewardRunner(max_failure_rate=1.0)  # a failing reward scores its default
     greedy_sampling = attrs.evolve(rl.sampling, temperature=0.0)
     chunk = max(1, cfg.max_concurrent // cfg.samples)
@@ -195,7 +210,7 @@ def run(plan: dict[str, Any], console: Any = None) -> dict[str, Any]:
         scheduler = RolloutScheduler(
             pool=pool, workflow=cfg.workflow, dataset=rows, tokenizer=tokenizer,
             score=rewards.score, config=rl.rollout, sampling=rl.sampling,
-            workflow_config=plan["workflow_config"], seed=cfg.seed)
+            workflow_config=plan.workflow_config, seed=cfg.seed)
         scheduler.pause()  # admits no training groups: only rollout_batch runs
         with scheduler, ThreadPoolExecutor(1) as side, open(out, "w") as f, Progress(
                 "[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
@@ -217,8 +232,8 @@ def run(plan: dict[str, Any], console: Any = None) -> dict[str, Any]:
         pool.close()
         reward_stats = rewards.stats()
         rewards.close()
-    summary = {"model": plan["model"], "workflow": cfg.workflow,
-               "reward": getattr(plan["workflow_config"], "reward", None),
+    summary = {"model": plan.model, "workflow": cfg.workflow,
+               "reward": getattr(plan.workflow_config, "reward", None),
                "dataset": cfg.dataset or "packaged GSM8K", "split": cfg.split,
                "samples": cfg.samples, "temperature": cfg.temperature,
                "max_new_tokens": cfg.max_new_tokens, "seed": cfg.seed,

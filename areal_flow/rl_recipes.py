@@ -37,7 +37,7 @@ from areal_flow.process_memory import peak_rss_gb, tree_rss_gb
 from areal_flow.run import RunConfig, StopRequest
 from areal_flow.runtime.distributed import same_on_all_ranks
 from areal_flow.runtime.engine import TrainConfig
-from areal_flow.types import SamplingParams
+from areal_flow.types import AlgorithmCapabilities, SamplingParams
 from areal_flow.workflow.rlvr import RLVRConfig
 
 C = TypeVar("C", bound="RLConfig")
@@ -182,7 +182,7 @@ def algorithm(cfg: RLConfig) -> Any:
     any model loads)."""
     algo = registry.algorithms.get(cfg.algorithm_name)
     built = algo(cfg.algorithm) if registry.algorithms.spec(cfg.algorithm_name).config else algo()
-    needs = getattr(built, "min_group_size", 1)
+    needs = AlgorithmCapabilities.of(built).min_group_size
     if cfg.rollout.group_size < needs:
         raise ValueError(f"--rollout.group-size {cfg.rollout.group_size}: {cfg.algorithm_name} "
                          f"scores a row against the rest of its group, so it needs groups of "

@@ -387,12 +387,7 @@ class Algorithm(Protocol):
     (the version being trained, set by the scheduler) and ``minibatch_progress`` per row (the
     fraction of this batch's optimizer steps already taken, set by the runtime).
 
-    Optional attributes the runtime reads (absent means False): ``needs_entropy_grad`` (the loss
-    differentiates `ModelOutput.entropy`; otherwise entropy comes without gradient, for stats)
-    and ``skips_zero_advantage_rows`` (a row whose ``advantages`` are all 0 contributes nothing
-    to the gradient, so the runtime skips its forward and backward, still counting it in the
-    normalizer). The recipes read ``min_group_size`` (absent means 1): an algorithm that scores
-    a row against the rest of its group refuses smaller `--rollout.group-size` at start.
+    What else an algorithm may declare, each with its default, is `AlgorithmCapabilities`.
     """
 
     roles: tuple[Role, ...]
@@ -405,6 +400,27 @@ class Algorithm(Protocol):
     def loss(self, out: ModelOutput, mb: TensorDict) -> LossOutput:
         """Once per micro-batch."""
         ...
+
+
+@attrs.frozen(kw_only=True)
+class AlgorithmCapabilities:
+    """What an `Algorithm` may declare besides `roles`, as attributes of the same names; one it
+    does not declare has the default here. The runtime and the recipes read them through `of`."""
+
+    needs_entropy_grad: bool = False
+    """The loss differentiates `ModelOutput.entropy` (otherwise entropy comes without gradient,
+    for stats)."""
+    skips_zero_advantage_rows: bool = False
+    """A row whose ``advantages`` are all 0 contributes nothing to the gradient, so the runtime
+    skips its forward and backward, still counting it in the normalizer."""
+    min_group_size: int = 1
+    """An algorithm that scores a row against the rest of its group refuses a smaller
+    `--rollout.group-size` at start."""
+
+    @classmethod
+    def of(cls, algorithm: Any) -> AlgorithmCapabilities:
+        return cls(**{field.name: getattr(algorithm, field.name)
+                      for field in attrs.fields(cls) if hasattr(algorithm, field.name)})
 
 
 # ---------------------------------------------------------------------------- registered things

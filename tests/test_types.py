@@ -96,3 +96,23 @@ def test_environment_tokens_cannot_carry_a_version():
 def test_loss_output_names_its_unit():
     with pytest.raises(ValueError, match="'unit' must be in"):
         LossOutput(loss_sum=1.0, normalizer=1.0, unit="batches")
+
+
+def test_an_algorithms_capabilities_are_what_it_declares_and_the_defaults_for_the_rest():
+    from areal_flow.algorithms.grpo import GRPO, GRPOConfig
+    from areal_flow.types import AlgorithmCapabilities
+
+    class Bare:
+        roles = ()
+
+    class Declares:
+        roles = ()
+        needs_entropy_grad = True
+        min_group_size = 3
+
+    assert AlgorithmCapabilities.of(Bare()) == AlgorithmCapabilities(
+        needs_entropy_grad=False, skips_zero_advantage_rows=False, min_group_size=1)
+    assert AlgorithmCapabilities.of(Declares()) == AlgorithmCapabilities(
+        needs_entropy_grad=True, skips_zero_advantage_rows=False, min_group_size=3)
+    grpo = AlgorithmCapabilities.of(GRPO(GRPOConfig(entropy_coef=0.01)))
+    assert (grpo.needs_entropy_grad, grpo.min_group_size) == (True, 2)

@@ -44,7 +44,7 @@ from areal_flow.runtime.logprobs import EntropyMode, LossPositions, loss_positio
 from areal_flow.runtime.microbatch import micro_batches, minibatch_of_rows, split_to_count
 from areal_flow.runtime.precision import choose, gemm_rate
 from areal_flow.runtime.roles import BaseModelRole, ValueModel
-from areal_flow.types import Algorithm, ModelOutput, WeightUpdate
+from areal_flow.types import Algorithm, AlgorithmCapabilities, ModelOutput, WeightUpdate
 
 
 SUMMED_UNITS = {"tokens": True, "sequences": True, "constant": False}
@@ -329,6 +329,7 @@ class TrainEngine:
         critic's, when the algorithm has a `critic_loss`); returns the steps' mean statistics."""
         if shard.owned is None:
             raise ValueError("update() takes what advantages() returns")
+        can = AlgorithmCapabilities.of(algorithm)
         stats: dict[str, list[float]] = defaultdict(list)
         rows = shard.rows
         minis = [rows[rows["minibatch"] == k] for k in range(self.config.ppo_minibatches)]
@@ -337,8 +338,8 @@ class TrainEngine:
             mini["minibatch_progress"] = torch.full((mini.batch_size[0],), k / len(minis))
             for key, value in self._step(
                     mini, algorithm.loss,
-                    entropy="grad" if getattr(algorithm, "needs_entropy_grad", False) else "metric",
-                    skip_zero_advantage=getattr(algorithm, "skips_zero_advantage_rows", False),
+                    entropy="grad" if can.needs_entropy_grad else "metric",
+                    skip_zero_advantage=can.skips_zero_advantage_rows,
             ).items():
                 stats[key].append(value)
             if critic is not None and hasattr(algorithm, "critic_loss"):
