@@ -159,7 +159,7 @@ def _lengths(lengths: list[int], truncated: list[bool]) -> dict[str, float]:
 def summarize(records: list[dict[str, Any]], cfg: EvalConfig) -> dict[str, Any]:
     """The summary of per-row records (what the summary json holds, less the run's facts).
     Means are over rows (greedy) or rows x samples (sampled); a missing episode counts as 0."""
-    from areal_flow.rl_recipes import wilson_interval
+    from areal_flow.rl_recipes import metric_means, wilson_interval
 
     n = len(records)
     solved = sum(r["reward"] >= cfg.correct_at for r in records)
@@ -168,11 +168,10 @@ def summarize(records: list[dict[str, Any]], cfg: EvalConfig) -> dict[str, Any]:
               "reward_mean": sum(r["reward"] for r in records) / n,
               **_lengths([r["length"] for r in done], [r["truncated"] for r in done]),
               "missing_episodes": n - len(done), "metrics": {}}
-    for name in sorted({name for r in records for name in r["metrics"]}):
-        values = [float(r["metrics"].get(name, 0.0)) for r in records]
-        greedy["metrics"][name] = sum(values) / n
-        if all(value in (0.0, 1.0) for value in values):
-            greedy["metrics"][f"{name}_ci95"] = list(wilson_interval(round(sum(values)), n))
+    for name, (mean, interval) in metric_means([r["metrics"] for r in records], n).items():
+        greedy["metrics"][name] = mean
+        if interval is not None:
+            greedy["metrics"][f"{name}_ci95"] = list(interval)
     sampled = {"pass@k": {k: sum(r["pass@k"][k] for r in records) / n for k in map(str, ks(cfg))},
                "reward_mean": sum(sum(r["sampled_rewards"]) for r in records) / (n * cfg.samples),
                **_lengths([x for r in records for x in r["sampled_lengths"]],

@@ -452,12 +452,22 @@ def evaluate(cfg: RLConfig, scheduler: RolloutScheduler, rows: list[dict]) -> di
     n = len(rows)  # a row whose episode kept failing counts as a 0
     out = {"eval/reward": sum(ep.reward for ep in episodes) / n,
            "eval/response_length": sum(sum(ep.loss_mask) for ep in episodes) / n}
-    for name in sorted({name for ep in episodes for name in ep.metrics}):
-        values = [float(ep.metrics.get(name, 0.0)) for ep in episodes]
-        out[f"eval/{name}"] = sum(values) / n
-        if all(value in (0.0, 1.0) for value in values):
-            low, high = wilson_interval(round(sum(values)), n)
-            out.update({f"eval/{name}_ci_low": low, f"eval/{name}_ci_high": high})
+    for name, (mean, interval) in metric_means([ep.metrics for ep in episodes], n).items():
+        out[f"eval/{name}"] = mean
+        if interval is not None:
+            out.update({f"eval/{name}_ci_low": interval[0], f"eval/{name}_ci_high": interval[1]})
+    return out
+
+
+def metric_means(metrics: list[dict[str, float]], n: int
+                 ) -> dict[str, tuple[float, tuple[float, float] | None]]:
+    """Each task metric's mean over `n` rows (a row without it, or without an episode, counts
+    as 0), with a 95% Wilson interval where every value is 0 or 1 (a rate)."""
+    out = {}
+    for name in sorted({name for row in metrics for name in row}):
+        values = [float(row.get(name, 0.0)) for row in metrics]
+        rate = all(value in (0.0, 1.0) for value in values)
+        out[name] = (sum(values) / n, wilson_interval(round(sum(values)), n) if rate else None)
     return out
 
 
