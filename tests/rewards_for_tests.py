@@ -162,3 +162,24 @@ def leaking_text_hash(completion: str, **fields) -> float:
     (benchmarks/soak.py)."""
     _KEPT.append(b"x" * (10 * 2**20))
     return text_hash(completion)
+
+
+def returns_found(completion: str, found=None):
+    """Metrics that return what the call's `found` says: each wrong shape a careless one might."""
+    return found
+
+
+@reward("tests.length_with_found", timeout=5.0, range=(0.0, 100.0), metrics=returns_found)
+def length_with_found(completion: str, found=None) -> float:
+    return float(len(completion))
+
+
+def metrics_sleep_forever(completion: str) -> dict[str, float]:
+    time.sleep(3600)
+    return {}
+
+
+@reward("tests.metrics_hang", timeout=0.5, default=0.25, metrics=metrics_sleep_forever)
+def metrics_hang(completion: str) -> float:
+    """A reward that answers at once, with metrics that never return."""
+    return 1.0

@@ -305,15 +305,24 @@ def test_a_failing_metrics_is_a_failure_of_the_reward_that_scored(runner):
     {"per_character": "high"}, {"a/b": 1.0}, {"x": float("inf")}, [("x", 1.0)], None])
 def test_metrics_that_are_not_plain_names_of_numbers_are_a_failure_naming_what_is_allowed(
         runner, found, caplog):
-    from areal_flow.types import RewardSpec
-
-    spec = RewardSpec(name="tests.length", fn=rewards_for_tests.length, range=(0.0, 100.0),
-                      metrics=lambda completion: found)
     runner.stats()
     with caplog.at_level(logging.WARNING, logger="areal_flow.reward.runner"):
-        assert asyncio.run(runner.score_with_metrics(spec, "abc")) == (3.0, {})
+        assert asyncio.run(runner.score_with_metrics("tests.length_with_found", "abc",
+                                                     found=found)) == (3.0, {})
     assert runner.stats()["metrics_errors"] == 1
     assert "{name: finite number}" in caplog.text and "no '/'" in caplog.text
+
+
+@pytest.mark.faults
+def test_metrics_that_never_return_are_cut_by_the_rewards_timeout_in_its_worker(runner):
+    """The metrics run in the worker, under the reward's timeout: a hung one costs the call
+    (the reward's default, counted as a timeout) and never holds the rollout's event loop."""
+    async def call():
+        return await asyncio.wait_for(runner.score_with_metrics("tests.metrics_hang", "x"), 60)
+
+    runner.stats()
+    assert asyncio.run(call()) == (0.25, {})
+    assert runner.stats()["timeouts"] == 1
 
 
 @pytest.mark.faults
@@ -410,10 +419,14 @@ def test_the_worker_entry_runs_sync_and_async_rewards_with_every_argument():
     import areal_flow
 
     here = areal_flow.__file__
-    value, rss = _call_in_worker("tests.rewards_for_tests:matches", here, ("12",),
-                                 {"answer": "12"})
-    assert value == 1.0 and rss > 2**20  # and the worker's resident bytes
+    value, metrics, rss = _call_in_worker("tests.rewards_for_tests:matches", here, ("12",),
+                                          {"answer": "12"})
+    assert value == 1.0 and metrics is None and rss > 2**20  # and the worker's resident bytes
     assert _call_in_worker("tests.async_ok", here, ("x",), {})[0] == 1.0
+    # the reward's metrics, when asked for, run after it on the same arguments
+    assert _call_in_worker("tests.metrics_divide", here, ("four",), {},
+                           "tests.rewards_for_tests:per_character")[:2] == \
+        (1.0, ({"per_character": 0.25}, None))
     with pytest.raises(ImportError, match="the caller from /elsewhere"):
         _call_in_worker("tests.length", "/elsewhere/areal_flow/__init__.py", ("x",), {})
 

@@ -20,6 +20,7 @@ the caller's but the reward's own module: they never import the caller's main sc
 from __future__ import annotations
 
 import asyncio
+import importlib
 import inspect
 import io
 import logging
@@ -63,17 +64,24 @@ def resolve(reward: str | Callable[..., Any] | RewardSpec) -> RewardSpec:
     return RewardSpec(name=getattr(reward, "__qualname__", repr(reward)), fn=reward)
 
 
-def _importable_path(spec: RewardSpec) -> str:
-    module, qualname = spec.fn.__module__, spec.fn.__qualname__
-    if module == "__main__" or "<locals>" in qualname:
+def _importable_path(spec: RewardSpec, fn: Callable[..., Any] | None = None) -> str:
+    """Where a worker process imports the reward (or `fn`, its metrics) from."""
+    fn = spec.fn if fn is None else fn
+    module, qualname = fn.__module__, fn.__qualname__
+    if module == "__main__" or "<" in qualname:  # <locals>, <lambda>
+        what = "reward" if fn is spec.fn else "metrics function of reward"
         raise ValueError(
-            f"reward {spec.name!r} ({module}:{qualname}) cannot be imported by a worker process; "
+            f"{what} {spec.name!r} ({module}:{qualname}) cannot be imported by a worker process; "
             "define it at the top level of a module"
         )
     return f"{module}:{qualname}"
 
 
-def _call_in_worker(path: str, package: str, args: tuple, kwargs: dict) -> Any:
+def _call_in_worker(path: str, package: str, args: tuple, kwargs: dict,
+                    metrics: str | None = None) -> tuple[Any, Any, int]:
+    """The reward `path` on the arguments, then its `metrics` (a path too, or None), both under
+    the call's timeout: (value, ({name: number}, None) or ({}, what was wrong) or None, this
+    worker's resident bytes)."""
     if areal_flow.__file__ != package:  # e.g. a namespace package from a folder named areal_flow
         raise ImportError(f"the reward worker imported areal_flow from "
                           f"{list(areal_flow.__path__)}, the caller from {package}; check "
@@ -81,7 +89,16 @@ def _call_in_worker(path: str, package: str, args: tuple, kwargs: dict) -> Any:
     value = rewards.get(path)(*args, **kwargs)
     # An async reward gets a loop of its own here, where the timeout can kill blocking code.
     value = asyncio.run(value) if inspect.iscoroutine(value) else value
-    return value, worker_rss()  # the caller recycles a worker grown past its limit
+    found = None if metrics is None else task_metrics(_imported(metrics), args, kwargs)
+    return value, found, worker_rss()  # the caller recycles a worker grown past its limit
+
+
+def _imported(path: str) -> Callable[..., Any]:
+    module, _, qualname = path.partition(":")
+    found: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        found = getattr(found, part)
+    return found
 
 
 def worker_rss() -> int:
@@ -205,14 +222,18 @@ class RewardRunner:
                             f"({exc}); accept them (e.g. **kwargs) or pick another reward: "
                             f"keywords {sorted(kwargs)}") from None
         path = _importable_path(spec)
+        # the metrics run in the worker too, after the reward, under the same timeout
+        metrics = _importable_path(spec, spec.metrics) \
+            if with_metrics and spec.metrics is not None else None
+        measured = None
         start = time.perf_counter()
         try:
             for tries_left in (1, 0):
                 pool = self._workers()
                 future = pool.schedule(_call_in_worker, timeout=spec.timeout,
-                                       args=(path, areal_flow.__file__, args, kwargs))
+                                       args=(path, areal_flow.__file__, args, kwargs, metrics))
                 try:
-                    value, rss = await asyncio.wrap_future(future)
+                    value, measured, rss = await asyncio.wrap_future(future)
                     self._note_rss(rss, pool)
                     break
                 except BrokenProcessPool:  # it broke before this call ran: once more on a new one
@@ -228,9 +249,9 @@ class RewardRunner:
             outcome, what = "error", f"error: {exc!r}"
         score = float(value) if outcome == "ok" else spec.default
         found: dict[str, float] = {}
-        if with_metrics and spec.metrics is not None:
+        if measured is not None:
             # one outcome per call: counted once in the failure window, whichever part failed
-            found, problem = task_metrics(spec, args, kwargs)
+            found, problem = measured
             if problem is not None and outcome == "ok":
                 outcome, what = "metrics_error", problem
         with self._lock:  # stats() is read from the trainer thread
@@ -328,17 +349,18 @@ async def score_with_metrics(score: Callable[..., Any], reward: Any, *args,
     spec = resolve(reward)
     if spec.metrics is None:
         return value, {}
-    found, problem = task_metrics(spec, args, kwargs)
+    found, problem = task_metrics(spec.metrics, args, kwargs)
     if problem is not None:
         log.warning("reward %r: %s; no metrics recorded", spec.name, problem)
     return value, found
 
 
-def task_metrics(spec: RewardSpec, args: tuple, kwargs: dict) -> tuple[dict[str, float], str | None]:
-    """`spec.metrics(*args, **kwargs)` as {name: float} and None, or {} and what was wrong with
-    it (it raised, or returned anything but {plain name: finite number})."""
+def task_metrics(metrics: Callable[..., Any], args: tuple, kwargs: dict
+                 ) -> tuple[dict[str, float], str | None]:
+    """`metrics(*args, **kwargs)` (a reward's `metrics`) as {name: float} and None, or {} and
+    what was wrong with it (it raised, or returned anything but {plain name: finite number})."""
     try:
-        found = spec.metrics(*args, **kwargs)
+        found = metrics(*args, **kwargs)
     except Exception as exc:
         return {}, f"metrics error: {exc!r}"
     problem = metrics_problem(found)
