@@ -34,7 +34,8 @@ from areal_flow.data import offline
 from areal_flow.inference.local import LocalEngine
 from areal_flow.rollout.scheduler import RolloutError, RolloutScheduler
 from areal_flow.process_memory import peak_rss_gb, tree_rss_gb
-from areal_flow.run import RunConfig, StopRequest
+from areal_flow.run import RunConfig
+from areal_flow.stop_request import StopRequest
 from areal_flow.runtime.distributed import same_on_all_ranks
 from areal_flow.runtime.engine import TrainConfig
 from areal_flow.types import AlgorithmCapabilities, SamplingParams

@@ -1,10 +1,10 @@
-"""A training run's folder and what its user sees.
+"""A training run's folder: `RunConfig` (the options every recipe shares) and `RunDir`.
 
 The folder holds the resolved `config.yaml`, `metrics.jsonl` (one line per step, every
 component's `stats()`), `samples.jsonl` (a few episodes per step, every segment in order),
 `checkpoints/step-N/` (exact-resume state plus a `save_pretrained` model), the servers' logs and
-the trackers' files (`tensorboard/`, `wandb/`). Recipes print through `LiveDisplay` and stop
-cleanly through `StopRequest`; `RunConfig` holds the options every recipe shares.
+the trackers' files (`tensorboard/`, `wandb/`). What the user sees is `live_display`; how a run
+is asked to stop, `stop_request`.
 """
 
 from __future__ import annotations
@@ -13,9 +13,6 @@ import hashlib
 import json
 import os
 import shutil
-import signal
-import threading
-import time
 import warnings
 from collections.abc import Iterable
 from datetime import datetime
@@ -334,114 +331,3 @@ def checkpoint_damage(path: Path) -> str | None:
             if digest != saved["sha256"]:
                 return f"{name} differs from what was saved (its SHA-256 changed)"
     return None
-
-
-class StopRequest:
-    """The first Ctrl-C or SIGTERM asks the run to stop after the current step, or at once when
-    it is waiting for a batch (it then writes a checkpoint and stops launched servers); a second
-    one of either interrupts at once (KeyboardInterrupt). A second signal within
-    `repeat_window` seconds of the first is the same request, forwarded: under SLURM every
-    process of the job step gets SIGTERM from `scancel`, and torchrun relays its own copy to the
-    ranks it started, so a rank gets two within milliseconds."""
-
-    def __init__(self, repeat_window: float = 1.0) -> None:
-        self.requested = False
-        self.repeat_window = repeat_window
-        self._first = 0.0
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> StopRequest:
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.requested:
-            if time.monotonic() - self._first < self.repeat_window:
-                return  # the same stop, relayed by a launcher
-            raise KeyboardInterrupt  # asked again: now
-        self.requested, self._first = True, time.monotonic()
-        print(f"\n{signal.Signals(signum).name}: stopping after this step (or now, when waiting "
-              "for a batch) and writing a checkpoint; again to stop at once", flush=True)
-
-
-class LiveDisplay:
-    """A rich live panel on a terminal (step, chosen metrics, ETA, one sample); one log line per
-    step elsewhere (CI logs, files). `columns` maps metric keys to labels; a key ending in
-    ``task_metrics`` stands for one column per name the batch's metrics list under
-    "task_metrics" (the workflow's own numbers): ``eval/task_metrics`` with label ``eval `` shows
-    ``eval/accuracy`` as "eval accuracy"."""
-
-    def __init__(self, total_steps: int, start_step: int, columns: dict[str, str],
-                 enabled: bool = True):
-        from rich.console import Console
-
-        self.console = Console()
-        self.total, self.start = total_steps, start_step
-        self.columns = columns
-        self.task: list[str] = []
-        self.enabled = enabled
-        self.began = time.monotonic()
-        self._live = None
-
-    def __enter__(self) -> LiveDisplay:
-        if self.enabled and self.console.is_terminal:
-            from rich.live import Live
-
-            self._live = Live(console=self.console, refresh_per_second=2)
-            self._live.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._live is not None:
-            self._live.__exit__(*exc)
-
-    def print(self, *args: Any) -> None:
-        if self.enabled:
-            self.console.print(*args, soft_wrap=True)  # paths and commands stay on one line
-
-    def update(self, step: int, metrics: dict[str, float], sample: str | None = None) -> None:
-        """Show the state after `step` (1-based count of finished steps)."""
-        if not self.enabled:
-            return
-        done = step - self.start
-        elapsed = time.monotonic() - self.began
-        eta = elapsed / max(done, 1) * (self.total - step)
-        self.task = metrics.get("task_metrics", self.task)
-        labels = {}
-        for key, label in self.columns.items():
-            if key.endswith("task_metrics"):
-                prefix = key.removesuffix("task_metrics")
-                labels.update({prefix + name: label + name for name in self.task})
-            else:
-                labels[key] = label
-        values = {label: metrics.get(key) for key, label in labels.items()}
-        if self._live is None:
-            shown = " ".join(f"{label} {_fmt(v)}" for label, v in values.items() if v is not None)
-            self.console.print(f"step {step}/{self.total} {shown} eta {eta / 60:.1f} min",
-                               highlight=False, soft_wrap=True)
-            return
-        from rich.console import Group
-        from rich.panel import Panel
-        from rich.table import Table
-
-        table = Table(box=None, show_header=True, header_style="bold")
-        for label in ["step", *values, "elapsed", "ETA"]:
-            table.add_column(label, justify="right")
-        table.add_row(f"{step}/{self.total}", *(_fmt(v) for v in values.values()),
-                      f"{elapsed / 60:.1f} min", f"{eta / 60:.1f} min")
-        parts = [table]
-        if sample:
-            parts.append(Panel(sample[-600:], title="a sample completion", title_align="left"))
-        self._live.update(Group(*parts))
-
-
-def _fmt(value: float | None) -> str:
-    if value is None:
-        return "-"
-    return f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"

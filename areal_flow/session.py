@@ -25,7 +25,9 @@ from typing import Any
 import torch.distributed as dist
 
 from areal_flow.data import offline
-from areal_flow.run import LiveDisplay, RunConfig, RunDir, StopRequest
+from areal_flow.live_display import LiveDisplay
+from areal_flow.run import RunConfig, RunDir
+from areal_flow.stop_request import StopRequest
 from areal_flow.runtime.distributed import (any_rank, init_distributed, same_on_all_ranks,
                                             shutdown_distributed)
 

@@ -82,7 +82,7 @@ def areal_flow_worker(p: dict, eta: int) -> dict:
     from areal_flow.rl_recipes import next_batch
     from areal_flow.inference.local import LocalEngine
     from areal_flow.reward.runner import RewardRunner
-    from areal_flow.run import StopRequest
+    from areal_flow.stop_request import StopRequest
     from areal_flow.rollout.scheduler import RolloutScheduler
     from areal_flow.runtime.distributed import shutdown_distributed
     from areal_flow.runtime.engine import TrainConfig, TrainEngine

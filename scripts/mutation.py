@@ -67,6 +67,9 @@ MODULES: dict[str, list[str]] = {
             "a_lora_checkpoint_holds_the_adapter_only_and_resumes_it")],
     "areal_flow/run.py": ["tests/test_run_dir.py", "tests/test_runtime_checkpoint.py::test_a_run_"
                           "folder_checkpoint_is_marked_whole_pruned_and_resumes_policy_and_critic"],
+    # split out of run.py since its row was measured (`run` in benchmarks/results/mutation)
+    "areal_flow/stop_request.py": ["tests/test_run_dir.py"],
+    "areal_flow/live_display.py": ["tests/test_run_dir.py", "tests/test_task_metrics.py"],
     "areal_flow/reward/runner.py": ["tests/test_reward_runner.py"] + [
         # the first compares _WorkerPopen._launch's source, which mutmut rewrites; the others run
         # scripts in subprocesses, which cannot see the mutant (and fail under mutmut's stats)
@@ -302,7 +305,8 @@ the tests of its module (`scripts/mutation.py` says how mutants are chosen and w
 Regenerate a row with `python scripts/mutation.py MODULE` (every row: no argument; `--show`
 prints each survivor's diff). Not run in CI: too slow. A row names the module as it was when
 measured: the pool's routing, measured in `inference/sglang_pool.py`, has since moved unchanged to
-`inference/sglang_routing.py` and `inference/sglang_servers.py`.
+`inference/sglang_routing.py` and `inference/sglang_servers.py`; `run.py`'s `StopRequest` and
+`LiveDisplay`, to `stop_request.py` and `live_display.py`.
 
 | module | mutants | killed | survived | equivalent | killed of non-equivalent | minutes | commit |
 |---|---|---|---|---|---|---|---|

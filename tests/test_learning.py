@@ -157,7 +157,7 @@ def test_the_trainer_thread_decodes_while_it_waits_for_its_batch(tiny_model_dir,
 
     from areal_flow.config import InferenceConfig
     from areal_flow.rl_recipes import RLConfig, evaluate, next_batch
-    from areal_flow.run import StopRequest
+    from areal_flow.stop_request import StopRequest
 
     engine = LocalEngine(tiny_model_dir, seed=0)
     stepped: list[str] = []

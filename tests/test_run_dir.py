@@ -11,7 +11,8 @@ import signal
 
 import pytest
 
-from areal_flow.run import COMPLETE, RunConfig, RunDir, StopRequest, mark_complete
+from areal_flow.run import COMPLETE, RunConfig, RunDir, mark_complete
+from areal_flow.stop_request import StopRequest
 from tests.helpers import hold_folder
 
 pytestmark = pytest.mark.faults
@@ -96,10 +97,10 @@ def test_pruning_keeps_two_complete_checkpoints_by_default(tmp_path):
 def test_a_second_sigterm_stops_at_once(monkeypatch):
     """Asked again (a second Ctrl-C, or SIGTERM then Ctrl-C), the run must not wait for the step
     (or a wait) to finish."""
-    import areal_flow.run
+    import areal_flow.stop_request
 
     now = [100.0]
-    monkeypatch.setattr(areal_flow.run.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(areal_flow.stop_request.time, "monotonic", lambda: now[0])
     with StopRequest() as stop:
         os.kill(os.getpid(), signal.SIGTERM)
         assert stop.requested
@@ -111,10 +112,10 @@ def test_a_second_sigterm_stops_at_once(monkeypatch):
 def test_a_sigterm_relayed_by_torchrun_is_the_same_stop(monkeypatch):
     """scancel sends SIGTERM to every process of the step and torchrun relays its own to the
     ranks: two within milliseconds ask for one graceful stop, not an interrupt."""
-    import areal_flow.run
+    import areal_flow.stop_request
 
     now = [100.0]
-    monkeypatch.setattr(areal_flow.run.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(areal_flow.stop_request.time, "monotonic", lambda: now[0])
     with StopRequest() as stop:
         os.kill(os.getpid(), signal.SIGTERM)
         now[0] += 0.005
@@ -334,11 +335,11 @@ def test_the_plain_display_prints_a_line_per_step_with_metrics_and_eta(monkeypat
 
     from rich.console import Console
 
-    import areal_flow.run
-    from areal_flow.run import LiveDisplay, _fmt
+    import areal_flow.live_display
+    from areal_flow.live_display import LiveDisplay, _fmt
 
     now = [100.0]
-    monkeypatch.setattr(areal_flow.run.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(areal_flow.live_display.time, "monotonic", lambda: now[0])
     display = LiveDisplay(total_steps=10, start_step=2, columns={
         "loss": "loss", "reward": "reward", "task_metrics": "", "eval/task_metrics": "eval "})
     out = io.StringIO()
@@ -389,7 +390,7 @@ def test_the_live_panel_on_a_terminal_shows_the_step_metrics_and_a_sample():
 
     from rich.console import Console
 
-    from areal_flow.run import LiveDisplay
+    from areal_flow.live_display import LiveDisplay
 
     display = LiveDisplay(total_steps=10, start_step=0, columns={"loss": "loss"})
     display.console = Console(file=io.StringIO(), force_terminal=True, width=100)
@@ -423,17 +424,17 @@ def _captured_panel(monkeypatch, color: bool) -> str:
 
     from rich.console import Console
 
-    import areal_flow.run
-    from areal_flow.run import LiveDisplay
+    import areal_flow.live_display
+    from areal_flow.live_display import LiveDisplay
 
     class Live:  # stands for rich's Live: keeps what it is given
         def update(self, renderable):
             self.renderable = renderable
 
-    monkeypatch.setattr(areal_flow.run.time, "monotonic", lambda: 100.0)
+    monkeypatch.setattr(areal_flow.live_display.time, "monotonic", lambda: 100.0)
     display = LiveDisplay(total_steps=62, start_step=0, columns={"loss": "loss"})
     display._live = live = Live()
-    monkeypatch.setattr(areal_flow.run.time, "monotonic", lambda: 160.0)
+    monkeypatch.setattr(areal_flow.live_display.time, "monotonic", lambda: 160.0)
     display.update(2, {"loss": 0.5}, sample="Z" + "y" * 600)  # 601 characters: the last 600 shown
     console = Console(file=io.StringIO(), width=60,
                       **({"force_terminal": True, "color_system": "standard"} if color else
@@ -457,11 +458,11 @@ def test_the_plain_line_is_one_unhighlighted_line_however_narrow_the_terminal(mo
 
     from rich.console import Console
 
-    import areal_flow.run
-    from areal_flow.run import LiveDisplay, _fmt
+    import areal_flow.live_display
+    from areal_flow.live_display import LiveDisplay, _fmt
 
     now = [100.0]
-    monkeypatch.setattr(areal_flow.run.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(areal_flow.live_display.time, "monotonic", lambda: now[0])
     display = LiveDisplay(total_steps=62, start_step=1, columns={"loss": "loss"})
     with display:  # not a terminal here: plain lines
         display.console = Console(file=io.StringIO(), width=20, force_terminal=True,
@@ -507,10 +508,10 @@ def test_truncation_skips_blank_lines_anywhere_and_a_missing_metrics_file(tmp_pa
 
 def test_a_stop_request_says_what_happens_and_a_second_one_a_window_later_interrupts(
         monkeypatch, capsys):
-    import areal_flow.run
+    import areal_flow.stop_request
 
     now = [100.0]
-    monkeypatch.setattr(areal_flow.run.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(areal_flow.stop_request.time, "monotonic", lambda: now[0])
     with StopRequest(repeat_window=1.0) as stop:
         assert stop.requested is False
         os.kill(os.getpid(), signal.SIGTERM)

@@ -17,7 +17,7 @@ from areal_flow.algorithms.ppo import PPOConfig
 from areal_flow.config import RolloutConfig
 from areal_flow.rl_recipes import RLConfig
 from areal_flow.rollout.scheduler import RolloutError, RolloutScheduler
-from areal_flow.run import LiveDisplay
+from areal_flow.live_display import LiveDisplay
 from areal_flow.types import SamplingParams
 from areal_flow.workflow.context import RolloutContext
 from tests.test_scheduler import InstantPool, NullTokenizer
