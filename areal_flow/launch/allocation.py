@@ -16,12 +16,7 @@ Without ``on`` it is one node with exactly the GPUs named. `Allocation.parse` re
 ``str(allocation)`` writes it back in canonical form (``parse(str(a)) == a``); every error quotes
 the part that is wrong and ends with an allocation that would be accepted.
 
-Placement (`Allocation.placement`). On one node the training ranks take the first GPUs
-(torchrun's rank r trains on ``cuda:LOCAL_RANK``) and the servers the next ones, `tp`
-consecutive GPUs each. On several nodes no node is shared, as in the SLURM job: the servers fill
-the first nodes (``gpus // tp`` a node), the training ranks spread evenly over the rest
-(torchrun starts the same ``--nproc-per-node`` on every node); on CPU nodes each training node
-runs one rank and the servers share the other nodes.
+Where each process of an allocation runs is `placement.py`'s (`Allocation.placement`).
 """
 
 from __future__ import annotations
@@ -33,6 +28,8 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 import attrs
+
+from areal_flow.launch.placement import Placement, RankPlace, ServerPlace
 
 EXAMPLES = ("generation: 2 servers x tp 2, training: 4 ranks",
             "generation: 4 servers x tp 2, training: 16 ranks on 3 nodes x 8 gpus",
@@ -230,65 +227,6 @@ class Allocation:
 
 
 @attrs.frozen(kw_only=True)
-class ServerPlace:
-    """Where generation server `index` runs: `tp` consecutive GPUs of one node (none on CPUs)."""
-
-    index: int
-    node: int
-    gpus: tuple[int, ...]
-    port: int | None
-
-
-@attrs.frozen(kw_only=True)
-class RankPlace:
-    """Where training rank `rank` runs; on GPUs, `gpu` is its local rank (cuda:LOCAL_RANK)."""
-
-    rank: int
-    node: int
-    local_rank: int
-    gpu: int | None
-
-
-@attrs.frozen(kw_only=True)
-class Placement:
-    """Which node and device runs every process of an `Allocation`."""
-
-    allocation: Allocation
-    servers: tuple[ServerPlace, ...]
-    ranks: tuple[RankPlace, ...]
-
-    @property
-    def idle(self) -> tuple[tuple[int, int], ...]:
-        """(node, GPU) pairs that no process uses."""
-        used = {(s.node, g) for s in self.servers for g in s.gpus} | \
-            {(r.node, r.gpu) for r in self.ranks}
-        return tuple((n, g) for n in range(self.allocation.nodes)
-                     for g in range(self.allocation.gpus_per_node) if (n, g) not in used)
-
-    def rows(self) -> list[tuple[int, str, str, str]]:
-        """(node, device, process, port) of every process and idle GPU, by node then GPU."""
-        keyed = [((s.node, s.gpus[0] if s.gpus else -1),
-                  (s.node, _devices(s.gpus), f"generation server {s.index}",
-                   "free" if s.port is None else str(s.port))) for s in self.servers]
-        keyed += [((r.node, -1 if r.gpu is None else r.gpu),
-                   (r.node, _devices(() if r.gpu is None else (r.gpu,)),
-                    f"training rank {r.rank}", "")) for r in self.ranks]
-        keyed += [((n, g), (n, _devices((g,)), "idle", "")) for n, g in self.idle]
-        # stable: on CPUs, where every key of a node is equal, servers then ranks by index
-        return [row for _, row in sorted(keyed, key=lambda pair: pair[0])]
-
-    def table(self) -> Any:
-        """The placement as a rich Table: one row per process and per idle GPU."""
-        from rich import box
-        from rich.table import Table
-
-        table = Table("node", "device", "process", "port", box=box.SIMPLE_HEAD)
-        for node, device, process, port in self.rows():
-            table.add_row(str(node), device, process, port)
-        return table
-
-
-@attrs.frozen(kw_only=True)
 class SlurmLayout:
     """An allocation in the SLURM generator's numbers: server nodes first, then training nodes."""
 
@@ -442,12 +380,6 @@ def _option(args: Sequence[str], flag: str) -> str | None:
 
 def _plural(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
-
-
-def _devices(gpus: Sequence[int]) -> str:
-    if not gpus:
-        return "cpu"
-    return f"GPU {gpus[0]}" if len(gpus) == 1 else f"GPUs {gpus[0]}-{gpus[-1]}"
 
 
 # -- validation ------------------------------------------------------------------------------
