@@ -26,7 +26,7 @@ class ConfigError(ValueError):
 
 @attrs.frozen(kw_only=True)
 class RolloutConfig:
-    """How episodes are generated and grouped (DESIGN.md "Scheduler, threads, staleness")."""
+    """How episodes are generated and grouped (docs/architecture.md, "Rollout scheduler")."""
 
     batch_size: int = attrs.field(default=8, validator=v.ge(1))
     """Prompts per training step (B); a batch holds B x group_size episodes."""

@@ -57,7 +57,8 @@ class RunConfig:
     two, so that a damaged newest one leaves one to resume from); 0 keeps all. A SmolLM2-135M
     checkpoint is about 2 GB."""
     run_dir: str | None = None
-    """Run folder; default runs/<recipe>-<time>."""
+    """Run folder; default runs/<run name>-<time>, the run name being the recipe's (the RL recipes:
+    <task>_<algorithm>, e.g. gsm8k_grpo)."""
     resume: bool = False
     """Continue the run in --run-dir from its newest checkpoint."""
     seed: int = 0

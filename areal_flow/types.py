@@ -37,7 +37,7 @@ BATCH_KEYS = (
     "group_ids",
     "temperature",
 )
-"""Keys every training batch carries (DESIGN.md "Episodes, groups, batches")."""
+"""Keys every training batch carries (docs/architecture.md, "Batches")."""
 
 
 def _tuple_of_ints(value: Sequence[int]) -> tuple[int, ...]:

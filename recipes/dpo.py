@@ -12,7 +12,7 @@ sees the assistant's tokens. The default pairs come from the packaged GSM8K rows
 solution ending in '#### N' (the format the GRPO reward checks) is preferred over the same
 solution ending in 'The answer is N.'. The loop: batch of pairs → reference and policy forward
 → update → held-out reward margin and accuracy every `eval_every` steps → checkpoint. Rank 0
-builds each batch; every rank trains. Formulas: `areal_flow/extra_extra_algorithms/dpo.py`.
+builds each batch; every rank trains. Formulas: `areal_flow/extra_algorithms/dpo.py`.
 """
 
 from __future__ import annotations

@@ -1,13 +1,15 @@
-"""Package-wide rules from DESIGN.md: light imports, and no dispatch on type strings."""
+"""Package-wide rules: light imports, no dispatch on type strings, references that exist."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from tests.helpers import run_python
 
 PACKAGE = Path(__file__).resolve().parents[1] / "areal_flow"
+ROOT = PACKAGE.parent
 
 
 def test_importing_the_public_api_and_the_decorators_does_not_import_torch():
@@ -105,3 +107,34 @@ def test_a_run_needs_neither_hypothesis_nor_matplotlib_and_their_commands_name_t
     assert done.returncode == 0, done.stderr[-3000:]
     assert "pip install 'areal-flow[plot]'" in done.stderr
     assert "pip install 'areal-flow[contract]'" in done.stderr
+
+
+PATH_NAMED = re.compile(
+    r"(?<![\w/.-])((?:areal_flow|docs|tests|scripts|recipes|benchmarks|examples)/[\w./-]*\w)(?![\w{])")
+"""A repository path as help text, docstrings and docs name it (`areal_flow/run.py`)."""
+
+
+def stale_references(text: str) -> list[str]:
+    """The paths `text` names that do not exist here (placeholders such as NAME or <task>
+    excepted), and any DESIGN.md: the design document is not part of the repository."""
+    named = [m.group(1) for m in PATH_NAMED.finditer(text)]
+    return sorted({path for path in named if "NAME" not in path and not (ROOT / path).exists()}
+                  | ({"DESIGN.md"} if "DESIGN.md" in text else set()))
+
+
+def test_the_reference_check_finds_a_moved_file_and_the_design_document():
+    text = ("see `areal_flow/run.py` and areal_flow/gsm8k_rl.py (DESIGN.md), "
+            "benchmarks/NAME.py, recipes/gsm8k_{grpo,ppo}.py")
+    assert stale_references(text) == ["DESIGN.md", "areal_flow/gsm8k_rl.py"]
+
+
+def test_every_path_the_code_and_the_docs_name_exists():
+    """Help text (docstrings and field docs become --help), comments and the docs name files
+    that exist: a move that leaves a reference behind fails here."""
+    texts = [*PACKAGE.rglob("*.py"), *(ROOT / "docs").glob("*.md"), ROOT / "README.md",
+             ROOT / "benchmarks" / "README.md", *(ROOT / "recipes").glob("*.py"),
+             *(ROOT / "scripts").glob("*.py"), *(ROOT / "scripts").glob("*.sh"),
+             ROOT / "pyproject.toml"]
+    stale = {str(path.relative_to(ROOT)): found for path in texts
+             if (found := stale_references(path.read_text()))}
+    assert stale == {}

@@ -9,7 +9,7 @@ runs none of these: on Linux each server also asks the kernel for SIGTERM when i
 (``PR_SET_PDEATHSIG``; the parent is the thread that called `start`, so call it from a thread
 that lives as long as the servers should). ``SGLANG_RETURN_ORIGINAL_LOGPROB`` is never set and is
 removed from the inherited environment: behavior logprobs must be taken after temperature
-(DESIGN.md "Generation").
+(docs/architecture.md, "Launcher").
 
 The command is built by a function of (launcher, slot): `sglang_command` by default;
 `serve_command` starts ``areal-flow serve`` instead (CPU machines and tests). Servers start with
@@ -195,7 +195,7 @@ class SGLangLauncher:
                              f"{list(self.ports)}")
         if FORBIDDEN_ENV in self.env:
             raise ValueError(f"{FORBIDDEN_ENV} is never set: behavior logprobs are taken after "
-                             "temperature (DESIGN.md)")
+                             "temperature (the episode's log-probs are at its sampling temperature)")
 
     @property
     def num_servers(self) -> int:

@@ -4,7 +4,7 @@ or a failure, and joining its replies into one `Completion`.
 - **Routing.** Each request goes to the server in rotation with the fewest in-flight requests;
   requests of one `episode_id` stick to one server while it stays in rotation (its prefix cache
   holds the earlier turns), and a resubmitted request goes back to the server it was on.
-- **Interruption** (DESIGN.md): `pause` calls ``/pause_generation`` ``{"mode": "abort"}`` on every
+- **Interruption**: `pause` calls ``/pause_generation`` ``{"mode": "abort"}`` on every
   server, so running requests come back with ``finish_reason.type == "abort"`` and their tokens so
   far; the pool keeps those tokens, waits for `resume`, and resubmits prompt + tokens so far with
   the remaining ``max_new_tokens``. Tokens, logprobs and per-token versions are concatenated, so a
