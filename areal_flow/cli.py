@@ -39,7 +39,10 @@ def plugins(check: bool = False) -> int:
                     failed += 1
                     status = (f"[red]{exc}[/]",)
             table.add_row(row.kind, row.name, row.source, row.target, *status)
-    Console().print(table)
+    console = Console()
+    if not console.is_terminal:  # a pipe or a file: rows at full width, never cut at 80 columns
+        console = Console(width=10_000)
+    console.print(table)
     return 1 if failed else 0
 
 

@@ -459,3 +459,16 @@ def test_unknown_name_message_of_an_empty_and_of_a_filled_registry():
     with pytest.raises(UnknownNameError) as err:
         registry.spec("zzz")
     assert "known: a.one, b.two" in str(err.value)
+
+
+def test_the_plugins_command_never_cuts_a_name_without_a_terminal(capsys):
+    from areal_flow import cli, registry
+
+    name = "a_plugin_package.with_a_rather_long_module_name.and_an_even_longer_reward_name"
+    registry.rewards.register(name, lambda completion: 0.0)
+    try:
+        assert cli.main(["plugins"]) == 0
+    finally:
+        registry.rewards._local.pop(name)
+    rows = [line for line in capsys.readouterr().out.splitlines() if name in line]
+    assert len(rows) == 1 and "in-process" in rows[0]
