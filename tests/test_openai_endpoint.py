@@ -182,6 +182,7 @@ def test_n_choices_stop_strings_and_the_choice_the_agent_continues(tokenizer):
         response = await client.chat.completions.create(model="p", messages=messages, n=2,
                                                         stop=["END"])
         texts = [c.message.content for c in response.choices]
+        assert response.model == "p"  # any `model` is taken (the policy answers) and echoed
         chosen = response.choices[1].message  # the agent keeps the second choice
         await client.chat.completions.create(model="p", messages=[
             *messages, chosen, {"role": "user", "content": "More."}])
