@@ -20,6 +20,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import ctypes
+import inspect
 import threading
 import time
 import warnings
@@ -147,6 +148,10 @@ class LocalEngine:
         self.model = AutoModelForCausalLM.from_pretrained(
             self.model_path, dtype=DTYPES[self.precision.dtype], attn_implementation="sdpa"
         ).to(self.device).eval()
+        # transformers 5.24 renamed the KV cache argument and output `past_key_values` to
+        # `cache` (the old name warns, and goes in 5.40); earlier 5.x know only the old one
+        self._cache = "cache" if "cache" in inspect.signature(self.model.forward).parameters \
+            else "past_key_values"
         self.max_batch_size = max_batch_size
         self.share_prefix = share_prefix
         self.pack_weights = pack_weights and packed_weights.available(self.model.dtype,
@@ -474,22 +479,22 @@ class LocalEngine:
         if whole:  # the prefix is the whole context: copy its row and logits for each request
             rows = [group[i] for i in whole]
             if rows == list(range(len(prefixes))):
-                self._join(out.past_key_values, mask, [admitted[i] for i in whole])
+                self._join(getattr(out, self._cache), mask, [admitted[i] for i in whole])
             else:
-                self._join(*self._kv.rows(out.past_key_values, mask, rows),
+                self._join(*self._kv.rows(getattr(out, self._cache), mask, rows),
                            [admitted[i] for i in whole])
             logits.append(out.logits[rows, -1])
         suffixes = [contexts[i][cut[i]:] for i in rest]
         if rest:  # the rest of each context runs after a copy of its group's prefix rows
-            cache, prefix_mask = self._kv.rows(out.past_key_values, mask,
+            cache, prefix_mask = self._kv.rows(getattr(out, self._cache), mask,
                                                [group[i] for i in rest])
             ids, suffix_mask = left_padded(suffixes, self.pad_token_id, self.device)
             # left padding of the suffixes leaves masked columns between prefix and suffix
             mask = torch.cat([prefix_mask, suffix_mask], dim=1)
             out = self.model(input_ids=ids, attention_mask=mask,
                              position_ids=positions(mask)[:, -ids.shape[1]:],
-                             past_key_values=cache, use_cache=True, logits_to_keep=1)
-            self._join(out.past_key_values, mask, [admitted[i] for i in rest])
+                             **{self._cache: cache}, use_cache=True, logits_to_keep=1)
+            self._join(getattr(out, self._cache), mask, [admitted[i] for i in rest])
             logits.append(out.logits[:, -1])
         ran = sum(map(len, prefixes)) + sum(map(len, suffixes))
         self._totals.prefilled += ran
@@ -508,8 +513,8 @@ class LocalEngine:
             logits = self._decode_step(last, position_ids, mask, self._kv.cache)
         else:
             out = self.model(input_ids=last, attention_mask=mask, position_ids=position_ids,
-                             past_key_values=self._kv.cache, use_cache=True)
-            self._kv.cache, logits = out.past_key_values, out.logits[:, -1]
+                             **{self._cache: self._kv.cache}, use_cache=True)
+            self._kv.cache, logits = getattr(out, self._cache), out.logits[:, -1]
         self._sample_and_advance(logits, first_row=0, decode_started=started)
 
     def _sample_and_advance(self, logits: torch.Tensor, first_row: int,
