@@ -17,13 +17,17 @@ from areal_flow.registry import RegistryError
 from areal_flow.launch.slurm import SlurmJob, sbatch_script
 
 
-def plugins(check: bool = False) -> int:
+def plugins(check: bool = False, show: str | None = None) -> int:
     """List every registered workflow, reward, algorithm and generation pool with the
     distribution that provides it.
 
     Args:
         check: Also load each one and show whether it imports (this imports every plugin).
+        show: A workflow's or algorithm's name: the options of its config class, with their
+            defaults and help (what --workflow-config or --algorithm.<field> sets).
     """
+    if show is not None:
+        return _show_options(show)
     table = Table(title="areal_flow plugins")
     for column in ("kind", "name", "provided by", "target") + (("status",) if check else ()):
         table.add_column(column)
@@ -44,6 +48,32 @@ def plugins(check: bool = False) -> int:
         console = Console(width=10_000)
     console.print(table)
     return 1 if failed else 0
+
+
+def _show_options(name: str) -> int:
+    """`plugins --show NAME`: the config class of the workflow or algorithm `name`, as tyro's
+    help shows it (each field, its type, default and docstring)."""
+    kinds = [reg for reg in (registry.workflows, registry.algorithms) if name in reg]
+    if not kinds:
+        print(f"areal-flow plugins --show: no workflow or algorithm {name!r}; known: "
+              f"{', '.join(registry.workflows.names() + registry.algorithms.names())}",
+              file=sys.stderr)
+        return 2
+    for reg in kinds:
+        config = reg.spec(name).config
+        if config is None:
+            print(f"{reg.kind} {name} takes no options")
+            continue
+        how = "--workflow-config '{\"field\": value, ...}' (or a YAML file)" \
+            if reg is registry.workflows else f"--algorithm {name} --algorithm.<field> value"
+        if reg is registry.workflows:
+            print("In --workflow-config each option below is a key, with underscores "
+                  "(--question-field: question_field).")
+        try:
+            tyro.cli(config, args=["--help"], prog=f"{reg.kind} {name}: {how}")
+        except SystemExit:  # tyro exits after printing the help
+            pass
+    return 0
 
 
 def check_reward(

@@ -472,3 +472,16 @@ def test_the_plugins_command_never_cuts_a_name_without_a_terminal(capsys):
         registry.rewards._local.pop(name)
     rows = [line for line in capsys.readouterr().out.splitlines() if name in line]
     assert len(rows) == 1 and "in-process" in rows[0]
+
+
+def test_plugins_show_lists_a_workflows_and_an_algorithms_options_with_their_help(capsys):
+    from areal_flow import cli
+
+    assert cli.main(["plugins", "--show", "rlvr"]) == 0
+    out = capsys.readouterr().out
+    assert "--question-field" in out and "Dataset field holding the question" in out
+    assert "question_field" in out  # how --workflow-config spells it
+    assert cli.main(["plugins", "--show", "grpo"]) == 0
+    assert "--kl-coef" in (out := capsys.readouterr().out) and "--loss.eps-clip" in out
+    assert cli.main(["plugins", "--show", "no_such_thing"]) == 2
+    assert "known: " in capsys.readouterr().err
