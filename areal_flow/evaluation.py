@@ -128,6 +128,12 @@ def prepare(cfg: EvalConfig) -> EvalPlan:
                     rows=rows, model=model, out=out)
 
 
+def first_model_turn(episode: Episode) -> int:
+    """The index of the episode's first model segment (what comes before it is the prompt)."""
+    return next((i for i, seg in enumerate(episode.segments) if seg.trainable),
+                len(episode.segments))
+
+
 def row_record(index: int, row: dict, greedy: list[Episode], sampled: list[Episode],
                cfg: EvalConfig, tokenizer: Any) -> dict[str, Any]:
     """One row's results; a missing episode (its workflow kept failing) counts as reward 0."""
@@ -138,6 +144,10 @@ def row_record(index: int, row: dict, greedy: list[Episode], sampled: list[Episo
             "completion": tokenizer.decode([t for seg in g.segments if seg.trainable
                                             for t in seg.token_ids], skip_special_tokens=True)
             if g else None,
+            # the whole exchange after the prompt, in order: the model's turns ("model": true)
+            # and what came between them (tool results, user turns), as the model saw it
+            "transcript": [{"model": seg.trainable, "text": tokenizer.decode(list(seg.token_ids))}
+                           for seg in g.segments[first_model_turn(g):]] if g else None,
             "reward": float(g.reward or 0.0) if g else 0.0,
             "length": g.num_trainable_tokens if g else None,
             "truncated": g.truncated if g else None,

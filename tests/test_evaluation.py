@@ -199,3 +199,29 @@ def test_an_unknown_workflow_exits_2_with_one_line_and_no_traceback():
     assert result.returncode == 2
     assert "no_such_workflow" in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_a_row_record_holds_the_whole_exchange_after_the_prompt(tiny_model_dir):
+    """An agent's record shows what the model saw between its turns (a tool's result), in
+    order and marked, where `completion` joins the model's turns alone."""
+    from transformers import AutoTokenizer
+
+    from areal_flow.evaluation import row_record
+    from areal_flow.types import Completion, Episode
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    ids = {text: tok.encode(text, add_special_tokens=False)
+           for text in ("What is 2+3?", "call add(2, 3)", " result: 5 ", "it is 5")}
+
+    def said(text):
+        n = len(ids[text])
+        return Completion(token_ids=ids[text], logprobs=[0.0] * n, versions=[0] * n,
+                          finish_reason="stop")
+
+    episode = Episode.start(ids["What is 2+3?"], said("call add(2, 3)"), reward=1.0)
+    episode.add_tokens(ids[" result: 5 "]).add(said("it is 5"))
+    record = row_record(0, {"question": "q"}, [episode], [], EvalConfig(samples=1), tok)
+    assert record["transcript"] == [{"model": True, "text": "call add(2, 3)"},
+                                    {"model": False, "text": " result: 5 "},
+                                    {"model": True, "text": "it is 5"}]
+    assert record["completion"] == tok.decode(ids["call add(2, 3)"] + ids["it is 5"])
