@@ -128,15 +128,11 @@ def prepare(cfg: EvalConfig) -> EvalPlan:
                     rows=rows, model=model, out=out)
 
 
-def first_model_turn(episode: Episode) -> int:
-    """The index of the episode's first model segment (what comes before it is the prompt)."""
-    return next((i for i, seg in enumerate(episode.segments) if seg.trainable),
-                len(episode.segments))
-
-
 def row_record(index: int, row: dict, greedy: list[Episode], sampled: list[Episode],
                cfg: EvalConfig, tokenizer: Any) -> dict[str, Any]:
     """One row's results; a missing episode (its workflow kept failing) counts as reward 0."""
+    from areal_flow.rl_recipes import transcript
+
     g = greedy[0] if greedy else None
     rewards = [float(ep.reward or 0.0) for ep in sampled]
     correct = sum(r >= cfg.correct_at for r in rewards)
@@ -144,10 +140,7 @@ def row_record(index: int, row: dict, greedy: list[Episode], sampled: list[Episo
             "completion": tokenizer.decode([t for seg in g.segments if seg.trainable
                                             for t in seg.token_ids], skip_special_tokens=True)
             if g else None,
-            # the whole exchange after the prompt, in order: the model's turns ("model": true)
-            # and what came between them (tool results, user turns), as the model saw it
-            "transcript": [{"model": seg.trainable, "text": tokenizer.decode(list(seg.token_ids))}
-                           for seg in g.segments[first_model_turn(g):]] if g else None,
+            "transcript": transcript(g, tokenizer) if g else None,  # the whole exchange
             "reward": float(g.reward or 0.0) if g else 0.0,
             "length": g.num_trainable_tokens if g else None,
             "truncated": g.truncated if g else None,

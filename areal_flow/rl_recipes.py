@@ -437,9 +437,12 @@ def _wait_for_batch(scheduler: RolloutScheduler, stop: StopRequest, timeout: flo
     return BatchWait(stopped=True)
 
 
-def evaluate(cfg: RLConfig, scheduler: RolloutScheduler, rows: list[dict]) -> dict[str, float]:
+def evaluate(cfg: RLConfig, scheduler: RolloutScheduler, rows: list[dict], *,
+             run: Any = None, step: int = 0) -> dict[str, float]:
     """Greedy pass@1 on the eval rows: the mean reward, response length and each of the task's
-    metrics (`Episode.metrics`) as eval/<name>, with a 95% Wilson interval for a 0/1 metric."""
+    metrics (`Episode.metrics`) as eval/<name>, with a 95% Wilson interval for a 0/1 metric.
+    With `run` (a `RunDir`), each row's episode goes to its eval_samples.jsonl under `step`:
+    the row, the completion's whole exchange after the prompt, the reward and the metrics."""
     if not rows:
         return {}
     greedy = attrs.evolve(cfg.sampling, temperature=0.0)
@@ -449,7 +452,12 @@ def evaluate(cfg: RLConfig, scheduler: RolloutScheduler, rows: list[dict]) -> di
         pending = helper.submit(scheduler.rollout_batch, rows, sampling=greedy)
         while engine and not pending.done():
             engine.step(timeout=HOST_WAIT)
-        episodes = [ep for group in pending.result() for ep in group]
+        groups = pending.result()
+        episodes = [ep for group in groups for ep in group]
+    if run is not None:
+        run.log_eval_samples(step, [eval_sample(i, row, group[0] if group else None,
+                                                scheduler.tokenizer)
+                                    for i, (row, group) in enumerate(zip(rows, groups))])
     n = len(rows)  # a row whose episode kept failing counts as a 0
     out = {"eval/reward": sum(ep.reward for ep in episodes) / n,
            "eval/response_length": sum(sum(ep.loss_mask) for ep in episodes) / n}
@@ -458,6 +466,24 @@ def evaluate(cfg: RLConfig, scheduler: RolloutScheduler, rows: list[dict]) -> di
         if interval is not None:
             out.update({f"eval/{name}_ci_low": interval[0], f"eval/{name}_ci_high": interval[1]})
     return out
+
+
+def eval_sample(index: int, row: dict, episode: Any, tokenizer: Any) -> dict[str, Any]:
+    """One held-out row's greedy episode as eval_samples.jsonl holds it (None: it kept
+    failing, and counts as reward 0)."""
+    if episode is None:
+        return {"index": index, "row": row, "transcript": None, "reward": 0.0, "metrics": {}}
+    return {"index": index, "row": row, "transcript": transcript(episode, tokenizer),
+            "reward": float(episode.reward or 0.0), "metrics": dict(episode.metrics)}
+
+
+def transcript(episode: Any, tokenizer: Any) -> list[dict[str, Any]]:
+    """The episode's exchange after its prompt, in order: the model's turns (``"model":
+    true``) and what came between them (tool results, user turns), as the model saw them."""
+    first = next((i for i, seg in enumerate(episode.segments) if seg.trainable),
+                 len(episode.segments))
+    return [{"model": seg.trainable, "text": tokenizer.decode(list(seg.token_ids))}
+            for seg in episode.segments[first:]]
 
 
 def metric_means(metrics: list[dict[str, float]], n: int

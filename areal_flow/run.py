@@ -2,6 +2,7 @@
 
 The folder holds the resolved `config.yaml`, `metrics.jsonl` (one line per step, every
 component's `stats()`), `samples.jsonl` (a few episodes per step, every segment in order),
+`eval_samples.jsonl` (each eval's held-out rows and their greedy episodes),
 `checkpoints/step-N/` (exact-resume state plus a `save_pretrained` model), the servers' logs and
 the trackers' files (`tensorboard/`, `wandb/`). What the user sees is `live_display`; how a run
 is asked to stop, `stop_request`.
@@ -144,6 +145,10 @@ class RunDir:
     def log_samples(self, step: int, samples: Iterable[dict[str, Any]]) -> None:
         self._append("samples.jsonl", [{"step": step, **s} for s in samples])
 
+    def log_eval_samples(self, step: int, samples: Iterable[dict[str, Any]]) -> None:
+        """The held-out rows' greedy episodes of the eval after `step` (`eval_samples.jsonl`)."""
+        self._append("eval_samples.jsonl", [{"step": step, **s} for s in samples])
+
     def has_checkpoint(self, step: int) -> bool:
         """A complete checkpoint of `step` is there (rank 0's view, given to every rank)."""
         from areal_flow.runtime.distributed import same_on_all_ranks
@@ -239,7 +244,7 @@ class RunDir:
     def truncate_after(self, step: int) -> None:
         """Forget logged lines of steps after `step` (they are about to be redone). A last line
         cut short (a crash mid-append) is dropped; a damaged line before it is an error."""
-        for name in ("metrics.jsonl", "samples.jsonl"):
+        for name in ("metrics.jsonl", "samples.jsonl", "eval_samples.jsonl"):
             file = self.path / name
             if not file.exists():
                 continue

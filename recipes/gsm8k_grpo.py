@@ -107,7 +107,8 @@ def main(cfg: Config) -> None:
         if scheduler is not None:
             scheduler.start()
             if session.start == 0:
-                session.run.log_metrics(0, rl_recipes.evaluate(cfg, scheduler, eval_rows))
+                session.run.log_metrics(0, rl_recipes.evaluate(cfg, scheduler, eval_rows,
+                                                               run=session.run, step=0))
         for step in session.steps():
             began = time.perf_counter()
             # rollout: rank 0 waits for a batch (the others get None)
@@ -151,7 +152,8 @@ def main(cfg: Config) -> None:
                 if cfg.eval_size and ((step + 1) % cfg.eval_every == 0
                                       or step + 1 == cfg.steps) and failure is None:
                     try:
-                        metrics.update(rl_recipes.evaluate(cfg, scheduler, eval_rows))
+                        metrics.update(rl_recipes.evaluate(cfg, scheduler, eval_rows,
+                                                           run=session.run, step=step + 1))
                     except Exception as error:  # noqa: BLE001 - e.g. rewards over the limit
                         failure = error
                 samples = rl_recipes.samples(cfg, batch, scheduler)

@@ -98,6 +98,17 @@ def test_one_process(one_process):
     run_dir, result = one_process
     check_run_folder(run_dir, 2, rows_trained=True, task=())
     assert "done:" in result.stdout
+    # each eval's greedy episodes (--eval-size 4, before step 1 and after each step), whose
+    # rewards are the ones eval/reward averages
+    evals = [json.loads(line)
+             for line in (run_dir / "eval_samples.jsonl").read_text().splitlines()]
+    by_step = {m["step"]: m["eval/reward"] for m in metrics(run_dir) if "eval/reward" in m}
+    assert sorted(by_step) == [0, 1, 2]
+    for step, mean in by_step.items():
+        rows = [e for e in evals if e["step"] == step]
+        assert [e["index"] for e in rows] == [0, 1, 2, 3]
+        assert sum(e["reward"] for e in rows) / 4 == pytest.approx(mean)
+        assert all(turn["model"] and turn["text"] for e in rows for turn in e["transcript"])
 
 
 def test_two_torchrun_ranks_give_the_one_process_first_step_loss(one_process, tiny_model_dir,
