@@ -934,7 +934,9 @@ def test_aborts_reach_the_server_only_for_a_request_it_runs(tiny_model_dir):
                 task = asyncio.ensure_future(pool.generate(
                     req(prompt, rid="cancelled", max_new_tokens=400, ignore_eos=True,
                         temperature=0)))
-                await asyncio.sleep(0.3)
+                await asyncio.to_thread(wait_for, lambda: any(  # running on the server now
+                    t >= 1 for t in httpx.get(f"http://{address}/get_load").json()
+                    ["requests"].values()), what="the request generating")
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
@@ -968,7 +970,9 @@ def test_closing_the_pool_ends_its_running_requests_and_counts_each_dead_server(
             async def closed_meanwhile():
                 task = asyncio.ensure_future(pool.generate(
                     req(prompt, max_new_tokens=400, ignore_eos=True, temperature=0)))
-                await asyncio.sleep(0.3)
+                await asyncio.to_thread(wait_for, lambda: any(  # running on c, the one left
+                    t >= 1 for t in httpx.get(f"http://{c}/get_load").json()
+                    ["requests"].values()), what="the request generating")
                 await asyncio.to_thread(pool.close)
                 return await asyncio.wait_for(task, 30)
 
