@@ -69,6 +69,21 @@ def run_recipe(recipe: str, args: list[str], *, launcher: tuple[str, ...] = (),
     return result
 
 
+def run_recipe_cases(cases: dict[str, list[str]], work: Path) -> dict[str, tuple[int, str]]:
+    """`recipes/gsm8k_grpo.py` on each command line of `cases`, all in one process
+    (tests/recipe_cases.py; a process each costs ~6 s of imports): case -> (exit code,
+    everything it printed). For input a run refuses before it trains."""
+    (work / "cases.json").write_text(json.dumps(cases))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, str(ROOT / "tests" / "recipe_cases.py"),
+                           str(work / "cases.json"), str(work / "results.json")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise AssertionError(done.stderr[-3000:])
+    return {case: (r["code"], r["output"])
+            for case, r in json.loads((work / "results.json").read_text()).items()}
+
+
 def metrics(run_dir: Path) -> list[dict]:
     """The run folder's metrics.jsonl lines."""
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -7,6 +7,7 @@ the generic recipe with --teacher, and the refusals of a missing or mismatched t
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import statistics
 from pathlib import Path
@@ -20,7 +21,7 @@ from tensordict import TensorDict
 from areal_flow.extra_algorithms.distill import DistillConfig, OnPolicyDistillation
 from areal_flow.config import PolicyLossConfig
 from areal_flow.types import ModelOutput
-from tests.helpers import metrics, run_recipe
+from tests.helpers import metrics, run_recipe, run_recipe_cases
 
 # ----------------------------------------------------------------------------------- advantages
 
@@ -331,8 +332,7 @@ def other_tokenizer_teacher(tmp_path_factory, teacher_dir) -> Path:
     return path
 
 
-@pytest.mark.faults
-@pytest.mark.parametrize(("extra", "message"), [
+BAD_TEACHER = [
     (["--algorithm", "distill"], "--algorithm distill learns from a teacher model: pass --teacher"),
     (["--algorithm", "distill", "--teacher", "{other}"],
      "its tokenizer is not --model's (430 and 429 tokens"),
@@ -340,21 +340,43 @@ def other_tokenizer_teacher(tmp_path_factory, teacher_dir) -> Path:
      "--teacher {tmp}/no-such-teacher: no model config"),
     (["--teacher", "{teacher}"],  # grpo, the default
      "algorithm grpo has no teacher role, so the teacher would never be used"),
-])
-def test_a_missing_or_mismatched_teacher_is_refused_before_any_weights_load(
-        tiny_model_dir, teacher_dir, other_tokenizer_teacher, gsm8k_file, tmp_path, extra,
-        message):
-    fill = {"{tmp}": str(tmp_path), "{other}": str(other_tokenizer_teacher),
+]
+
+
+@pytest.fixture(scope="module")
+def bad_teacher(tiny_model_dir, teacher_dir, other_tokenizer_teacher, gsm8k_file,
+                tmp_path_factory):
+    """Each command line of BAD_TEACHER run by the recipe, all in one process: its extra
+    arguments -> (its run folder, exit code, what it printed), with `fill` applied."""
+    tmp = tmp_path_factory.mktemp("bad_teacher")
+    fill = {"{tmp}": str(tmp), "{other}": str(other_tokenizer_teacher),
             "{teacher}": str(teacher_dir)}
-    extra = [fill.get(arg, arg.replace("{tmp}", str(tmp_path))) for arg in extra]
-    for key, value in fill.items():
-        message = message.replace(key, value)
-    result = run_recipe("gsm8k_grpo.py", recipe_args(tiny_model_dir, gsm8k_file,
-                                                     tmp_path / "run", "--steps", "1", *extra),
-                        check=False, timeout=120)
-    output = result.stdout + result.stderr
-    assert result.returncode != 0
-    assert message in output, output[-2000:]
+
+    def filled(text: str) -> str:
+        for key, value in fill.items():
+            text = text.replace(key, value)
+        return text
+
+    cases = {json.dumps([filled(a) for a in extra]): recipe_args(
+        tiny_model_dir, gsm8k_file, tmp / f"run{i}", "--steps", "1", *map(filled, extra))
+        for i, (extra, _) in enumerate(BAD_TEACHER)}
+    results = run_recipe_cases(cases, tmp)
+
+    def outcome(extra: list[str]) -> tuple[Path, int, str]:
+        case = json.dumps([filled(a) for a in extra])
+        return (Path(cases[case][cases[case].index("--run-dir") + 1]), *results[case])
+
+    return outcome, filled
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize(("extra", "message"), BAD_TEACHER)
+def test_a_missing_or_mismatched_teacher_is_refused_before_any_weights_load(
+        bad_teacher, extra, message):
+    outcome, filled = bad_teacher
+    run_dir, code, output = outcome(extra)
+    assert code != 0
+    assert filled(message) in output, output[-2000:]
     assert "Loading weights" not in output  # transformers' progress line when a model loads
     # no config.yaml, metrics.jsonl, ... (run.lock, the live run's lock, stays: see run_lock.py)
-    assert not [p for p in (tmp_path / "run").glob("*.*") if p.name != "run.lock"]
+    assert not [p for p in run_dir.glob("*.*") if p.name != "run.lock"]

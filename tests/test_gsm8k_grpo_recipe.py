@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import ROOT, assert_finite, metrics, run_recipe
+from tests.helpers import ROOT, assert_finite, metrics, run_recipe, run_recipe_cases
 
 RECIPE = "gsm8k_grpo.py"
 
@@ -301,7 +301,7 @@ def test_the_reasoning_gym_recipe_trains_on_a_task_with_its_verifier(tiny_model_
     assert {m["response_length/max"] for m in lines if m["step"]} <= {1.0, 2.0, 3.0}
 
 
-@pytest.mark.parametrize(("extra", "message"), [
+BAD_INPUT_NAMED = [
     (["--workflow", "rlvrr"], "rlvr"),
     (["--reward", "gsm9k"], "gsm8k"),
     (["--rollout.group-size", "0"], "group_size"),
@@ -313,16 +313,8 @@ def test_the_reasoning_gym_recipe_trains_on_a_task_with_its_verifier(tiny_model_
     (["--workflow", "tests.workflows_for_tests:no_reward_option", "--reward", "gsm8k"],
      "has none (its fields: prefix): drop --reward, or declare `reward: str`"),
     (["--dataset", "reasoning_gym:chain_sum?max_term=3"], "unknown config key(s) ['max_term']"),
-])
-def test_bad_input_is_named(tiny_model_dir, gsm8k_file, tmp_path, extra, message):
-    result = run_recipe(RECIPE, tiny_args(tiny_model_dir, gsm8k_file, tmp_path / "run", *extra),
-                        check=False, timeout=120)
-    assert result.returncode != 0
-    assert message in result.stdout + result.stderr
-
-
-@pytest.mark.faults
-@pytest.mark.parametrize(("extra", "message"), [
+]
+BAD_INPUT_BEFORE_WEIGHTS = [
     (["--model", "{tmp}/no-such-model"], "no-such-model: no such folder"),
     (["--dataset", "{tmp}/missing.jsonl"], "missing.jsonl: no such file"),
     (["--dataset", "{tmp}/empty.jsonl"], "empty.jsonl: the 'train' split has no rows"),
@@ -339,26 +331,51 @@ def test_bad_input_is_named(tiny_model_dir, gsm8k_file, tmp_path, extra, message
     (["--rollout.group-size", "1"], "--rollout.group-size 1: grpo scores a row against the rest"),
     (["--algorithm", "grpp"], "--algorithm grpp: unknown algorithm 'grpp'"),
     (["--algorithm", "ppo", "--algorithm.kl-coeff", "0.1"], "--algorithm.kl-coef"),
-])
-def test_bad_input_is_refused_before_any_weights_load(tiny_model_dir, gsm8k_file, tmp_path,
-                                                      extra, message):
+]
+
+
+@pytest.fixture(scope="module")
+def bad_input(tiny_model_dir, gsm8k_file, tmp_path_factory):
+    """Every bad command line above, run by the recipe in one process (tests/recipe_cases.py):
+    case -> (its run folder, exit code, what it printed)."""
+    tmp = tmp_path_factory.mktemp("bad_input")
+    (tmp / "empty.jsonl").write_text("\n")
+    (tmp / "broken.jsonl").write_text('{"question": "1 + 1?", "answer": "2"}\n{"question"\n')
+    (tmp / "no_answer.jsonl").write_text('{"question": "1 + 1?", "answer": "2"}\n' * 2
+                                         + '{"question": "2 + 1?"}\n' * 6)
+    (tmp / "two.jsonl").write_text('{"question": "1 + 1?", "answer": "2"}\n'
+                                   '{"question": "2 + 1?", "answer": "3"}\n')
+    cases = {}
+    for i, (extra, _) in enumerate(BAD_INPUT_NAMED + BAD_INPUT_BEFORE_WEIGHTS):
+        extra = [arg.replace("{tmp}", str(tmp)) for arg in extra]
+        cases[json.dumps(extra)] = tiny_args(tiny_model_dir, gsm8k_file, tmp / f"run{i}", *extra)
+    results = run_recipe_cases(cases, tmp)
+
+    def outcome(extra: list[str]) -> tuple[Path, int, str]:
+        case = json.dumps([arg.replace("{tmp}", str(tmp)) for arg in extra])
+        return (Path(cases[case][cases[case].index("--run-dir") + 1]), *results[case])
+
+    return outcome
+
+
+@pytest.mark.parametrize(("extra", "message"), BAD_INPUT_NAMED)
+def test_bad_input_is_named(bad_input, extra, message):
+    _, code, output = bad_input(extra)
+    assert code != 0
+    assert message in output
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize(("extra", "message"), BAD_INPUT_BEFORE_WEIGHTS)
+def test_bad_input_is_refused_before_any_weights_load(bad_input, extra, message):
     """Named, and before any weights load (so before the run folder gets a config or metrics:
     the same command, corrected, starts a fresh run)."""
-    (tmp_path / "empty.jsonl").write_text("\n")
-    (tmp_path / "broken.jsonl").write_text('{"question": "1 + 1?", "answer": "2"}\n{"question"\n')
-    (tmp_path / "no_answer.jsonl").write_text('{"question": "1 + 1?", "answer": "2"}\n' * 2
-                                              + '{"question": "2 + 1?"}\n' * 6)
-    (tmp_path / "two.jsonl").write_text('{"question": "1 + 1?", "answer": "2"}\n'
-                                        '{"question": "2 + 1?", "answer": "3"}\n')
-    extra = [arg.replace("{tmp}", str(tmp_path)) for arg in extra]
-    result = run_recipe(RECIPE, tiny_args(tiny_model_dir, gsm8k_file, tmp_path / "run", *extra),
-                        check=False, timeout=120)
-    assert result.returncode != 0
-    output = result.stdout + result.stderr
+    run_dir, code, output = bad_input(extra)
+    assert code != 0
     assert message in output
     assert "Loading weights" not in output  # transformers' progress line when a model loads
     # no config.yaml, metrics.jsonl, ... (run.lock, the live run's lock, stays: see run_lock.py)
-    assert not [p for p in (tmp_path / "run").glob("*.*") if p.name != "run.lock"]
+    assert not [p for p in run_dir.glob("*.*") if p.name != "run.lock"]
 
 
 @pytest.mark.faults
