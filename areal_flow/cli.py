@@ -206,7 +206,8 @@ def slurm(job: Annotated[SlurmJob, tyro.conf.OmitArgPrefixes, tyro.conf.arg(name
     """
     import attrs
 
-    from areal_flow.launch.allocation import AllocationError, slurm_layout
+    from areal_flow.launch.allocation import AllocationError
+    from areal_flow.launch.slurm import slurm_layout
 
     if allocation is not None:
         defaults = attrs.fields_dict(SlurmJob)

@@ -17,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from areal_flow import config, rl_recipes
-from areal_flow.launch.allocation import (EXAMPLES, Allocation, AllocationError, launch_command,
-                                   slurm_layout)
+from areal_flow.launch.allocation import EXAMPLES, Allocation, AllocationError, launch_command
+from areal_flow.launch.slurm import slurm_layout
 from areal_flow.config import InferenceConfig
 from tests.helpers import ROOT, metrics
 

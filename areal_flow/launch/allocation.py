@@ -91,16 +91,16 @@ class Allocation:
         return cls(**fields, **(_where(where[0].strip()) if where else {}))
 
     def __str__(self) -> str:
-        return f"{self._generation()}, {self._training()} on {self._where()}"
+        return f"{self.generation_part()}, {self.training_part()} on {self.where_part()}"
 
-    def _generation(self) -> str:
+    def generation_part(self) -> str:
         return f"generation: {_plural(self.servers, 'server')}" + \
             (f" x tp {self.tp}" if self.tp != 1 else "")
 
-    def _training(self) -> str:
+    def training_part(self) -> str:
         return f"training: {_plural(self.ranks, 'rank')}"
 
-    def _where(self) -> str:
+    def where_part(self) -> str:
         if self.cpu:
             return "cpu" if self.nodes == 1 else f"{self.nodes} cpu nodes"
         gpus = _plural(self.gpus_per_node, "gpu")
@@ -207,71 +207,23 @@ class Allocation:
         start = launch_command(self, command)
         if world_size != self.ranks or local_world_size != self.ranks_per_node:
             raise AllocationError(
-                f"'{self._training()}' ({self.ranks_per_node} on this node) but this runs "
+                f"'{self.training_part()}' ({self.ranks_per_node} on this node) but this runs "
                 f"{_plural(world_size, 'training process')}, {local_world_size} on this node "
                 f"(torchrun's WORLD_SIZE, LOCAL_WORLD_SIZE): start it with\n  {start}")
         if not self.cpu and visible_gpus < self.gpus_per_node:
             raise AllocationError(
-                f"'on {self._where()}' but this node has {_plural(visible_gpus, 'visible GPU')} "
+                f"'on {self.where_part()}' but this node has {_plural(visible_gpus, 'visible GPU')} "
                 f"(CUDA_VISIBLE_DEVICES): say 'on {_plural(visible_gpus, 'gpu')}' if its "
                 "processes fit, or run it on a larger node")
         if self.cpu and visible_gpus:
             raise AllocationError(
-                f"'on {self._where()}' but {_plural(visible_gpus, 'GPU')} is visible, where "
+                f"'on {self.where_part()}' but {_plural(visible_gpus, 'GPU')} is visible, where "
                 "training would run: hide them (CUDA_VISIBLE_DEVICES=) or say 'on G gpus'")
         if self.nodes > 1 and not has_addresses:
             raise AllocationError(
-                f"'on {self._where()}': the servers run on other nodes, which this process "
+                f"'on {self.where_part()}': the servers run on other nodes, which this process "
                 "cannot start: start them (`areal-flow slurm` writes a job that does) and pass "
                 f"--inference.addresses-file FILE, then on each training node:\n  {start}")
-
-
-@attrs.frozen(kw_only=True)
-class SlurmLayout:
-    """An allocation in the SLURM generator's numbers: server nodes first, then training nodes."""
-
-    server_nodes: int
-    training_nodes: int
-    servers_per_node: int
-    gpus_per_node: int
-    """0 on CPU nodes."""
-    tp: int
-    ranks_per_node: int
-
-    def job_fields(self) -> dict[str, Any]:
-        """`SlurmJob(model=..., **fields)` in SlurmJob's names: its `nodes` are the training
-        nodes, its tp is gpus_per_node // servers_per_node, CPU nodes run areal-flow serve."""
-        fields: dict[str, Any] = {"nodes": self.training_nodes, "server_nodes": self.server_nodes,
-                                  "gpus_per_node": self.gpus_per_node,
-                                  "servers_per_node": self.servers_per_node}
-        if not self.gpus_per_node:
-            fields["server_program"] = "areal-flow"
-        return fields
-
-
-def slurm_layout(allocation: Allocation) -> SlurmLayout:
-    """The numbers for `areal_flow.launch.slurm.SlurmJob`, which runs the same servers on every server
-    node (tp = gpus // servers a node) and one rank per GPU (one per CPU node) on every
-    training node: an allocation that would leave part of a node idle is refused, quoting the
-    part and suggesting one that fills its nodes."""
-    a = allocation
-    if a.nodes == 1:
-        raise AllocationError(
-            f"'on {a._where()}': a SLURM job runs the servers and the training on separate "
-            f"nodes: say how many, e.g. '{_repair(a, whole=True)}'")
-    if a.servers != a.server_nodes * a.servers_per_node or \
-            (not a.cpu and a.servers_per_node * a.tp != a.gpus_per_node):
-        raise AllocationError(
-            f"'{a._generation()}': a SLURM job starts the same number of servers on each "
-            f"server node{'' if a.cpu else ', using all of its GPUs'}: try "
-            f"'{_repair(a, whole=True)}'")
-    if not a.cpu and a.ranks_per_node != a.gpus_per_node:
-        raise AllocationError(
-            f"'{a._training()}': a SLURM job runs one rank per GPU on each training node, "
-            f"{a.gpus_per_node} a node: try '{_repair(a, whole=True)}'")
-    return SlurmLayout(server_nodes=a.server_nodes, training_nodes=a.training_nodes,
-                       servers_per_node=a.servers_per_node, gpus_per_node=a.gpus_per_node,
-                       tp=a.tp, ranks_per_node=a.ranks_per_node)
 
 
 def launch_command(allocation: Allocation, command: Sequence[str]) -> str:
@@ -387,53 +339,53 @@ def _plural(n: int, noun: str) -> str:
 
 def _check(a: Allocation) -> None:
     """Raise AllocationError quoting the part of `a` that cannot run, with a repaired example."""
-    generation, training, where = f"{a._generation()}", a._training(), f"on {a._where()}"
+    generation, training, where = f"{a.generation_part()}", a.training_part(), f"on {a.where_part()}"
     for part, name, value in ((generation, "servers", a.servers), (generation, "tp", a.tp),
                               (training, "ranks", a.ranks), (where, "nodes", a.nodes)):
         if value < 1:
-            raise AllocationError(f"'{part}': {name} must be at least 1: try '{_repair(a)}'")
+            raise AllocationError(f"'{part}': {name} must be at least 1: try '{repair(a)}'")
     if a.cpu:
         if a.tp > 1:
             raise AllocationError(f"'{generation}' {where}: an `areal-flow serve` server is one "
-                                  f"process, without tensor parallelism: try '{_repair(a)}'")
+                                  f"process, without tensor parallelism: try '{repair(a)}'")
         if a.gpus_per_node:
             raise AllocationError(f"'{where}' has no GPUs, got gpus_per_node="
-                                  f"{a.gpus_per_node}: try '{_repair(a)}'")
+                                  f"{a.gpus_per_node}: try '{repair(a)}'")
         if a.nodes > 1 and not 1 <= a.server_nodes <= a.servers:
             raise AllocationError(
                 f"'{where}': a CPU node that trains runs one rank, so '{training}' takes "
                 f"{_plural(a.ranks, 'node')} and leaves {a.nodes - a.ranks} for '{generation}', "
-                f"which fills 1 to {a.servers} (at least one server a node): try '{_repair(a)}'")
+                f"which fills 1 to {a.servers} (at least one server a node): try '{repair(a)}'")
         return
     if a.gpus_per_node < 1:
-        raise AllocationError(f"'{where}': a node needs at least 1 GPU: try '{_repair(a)}'")
+        raise AllocationError(f"'{where}': a node needs at least 1 GPU: try '{repair(a)}'")
     if a.tp > a.gpus_per_node:
         raise AllocationError(f"'{generation}': a server's {a.tp} GPUs must be on one node, and "
-                              f"'{where}' has {a.gpus_per_node} a node: try '{_repair(a)}'")
+                              f"'{where}' has {a.gpus_per_node} a node: try '{repair(a)}'")
     if a.nodes == 1:
         need = a.ranks + a.servers * a.tp
         if need > a.gpus_per_node:
             raise AllocationError(
                 f"'{generation}' ({a.servers * a.tp} GPUs) and '{training}' ({a.ranks}) need "
-                f"{need} GPUs, '{where}' has {a.gpus_per_node}: try '{_repair(a)}'")
+                f"{need} GPUs, '{where}' has {a.gpus_per_node}: try '{repair(a)}'")
         return
     if a.gpus_per_node % a.tp:
         raise AllocationError(
             f"'{generation}': tp {a.tp} must divide the {a.gpus_per_node} GPUs of a node (on "
-            f"several nodes the servers fill whole nodes, gpus // tp each): try '{_repair(a)}'")
+            f"several nodes the servers fill whole nodes, gpus // tp each): try '{repair(a)}'")
     if a.training_nodes < 1:
         raise AllocationError(
             f"'{where}': '{generation}' takes {_plural(a.server_nodes, 'node')} "
             f"({a.servers_per_node} servers a node), leaving none for '{training}' (on several "
-            f"nodes, a node either generates or trains): try '{_repair(a)}'")
+            f"nodes, a node either generates or trains): try '{repair(a)}'")
     if a.ranks % a.training_nodes or a.ranks // a.training_nodes > a.gpus_per_node:
         raise AllocationError(
             f"'{training}': torchrun starts the same number of ranks, at most "
             f"{a.gpus_per_node}, on each of the {_plural(a.training_nodes, 'training node')} "
-            f"that '{generation}' leaves of '{where}': try '{_repair(a)}'")
+            f"that '{generation}' leaves of '{where}': try '{repair(a)}'")
 
 
-def _repair(a: Allocation, *, whole: bool = False) -> Allocation:
+def repair(a: Allocation, *, whole: bool = False) -> Allocation:
     """An accepted allocation close to `a`: the user's counts where they can stay (at least 1;
     tp 1 on CPUs), on nodes of the user's size, as few as hold them. `whole`: every node full,
     as a SLURM job fills them (more servers and ranks where needed)."""

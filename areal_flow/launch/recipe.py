@@ -15,9 +15,8 @@ import torch
 from rich.console import Console
 
 from areal_flow.rl_recipes import RLConfig, usage_error
-from areal_flow.launch.allocation import (Allocation, AllocationError, launch_command,
-                                          slurm_layout)
-from areal_flow.launch.slurm import SlurmJob
+from areal_flow.launch.allocation import Allocation, AllocationError, launch_command
+from areal_flow.launch.slurm import SlurmJob, slurm_layout
 
 
 def dry_run(cfg: RLConfig) -> None:

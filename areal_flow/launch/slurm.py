@@ -30,6 +30,8 @@ from typing import Annotated, Literal
 import attrs
 import tyro
 
+from areal_flow.launch.allocation import Allocation, AllocationError, repair
+
 RENDEZVOUS_PORT = 29500
 HEALTH_POLL_SECONDS = 2
 """How often the job polls a starting server's /health (a curl: cheap)."""
@@ -80,6 +82,54 @@ class SlurmJob:
     def ranks_per_node(self) -> int:
         """Training ranks per training node: one per GPU, one on a CPU node."""
         return self.gpus_per_node or 1
+
+
+@attrs.frozen(kw_only=True)
+class SlurmLayout:
+    """An allocation in the SLURM generator's numbers: server nodes first, then training nodes."""
+
+    server_nodes: int
+    training_nodes: int
+    servers_per_node: int
+    gpus_per_node: int
+    """0 on CPU nodes."""
+    tp: int
+    ranks_per_node: int
+
+    def job_fields(self) -> dict[str, Any]:
+        """`SlurmJob(model=..., **fields)` in SlurmJob's names: its `nodes` are the training
+        nodes, its tp is gpus_per_node // servers_per_node, CPU nodes run areal-flow serve."""
+        fields: dict[str, Any] = {"nodes": self.training_nodes, "server_nodes": self.server_nodes,
+                                  "gpus_per_node": self.gpus_per_node,
+                                  "servers_per_node": self.servers_per_node}
+        if not self.gpus_per_node:
+            fields["server_program"] = "areal-flow"
+        return fields
+
+
+def slurm_layout(allocation: Allocation) -> SlurmLayout:
+    """The numbers for `SlurmJob`, which runs the same servers on every server
+    node (tp = gpus // servers a node) and one rank per GPU (one per CPU node) on every
+    training node: an allocation that would leave part of a node idle is refused, quoting the
+    part and suggesting one that fills its nodes."""
+    a = allocation
+    if a.nodes == 1:
+        raise AllocationError(
+            f"'on {a.where_part()}': a SLURM job runs the servers and the training on separate "
+            f"nodes: say how many, e.g. '{repair(a, whole=True)}'")
+    if a.servers != a.server_nodes * a.servers_per_node or \
+            (not a.cpu and a.servers_per_node * a.tp != a.gpus_per_node):
+        raise AllocationError(
+            f"'{a.generation_part()}': a SLURM job starts the same number of servers on each "
+            f"server node{'' if a.cpu else ', using all of its GPUs'}: try "
+            f"'{repair(a, whole=True)}'")
+    if not a.cpu and a.ranks_per_node != a.gpus_per_node:
+        raise AllocationError(
+            f"'{a.training_part()}': a SLURM job runs one rank per GPU on each training node, "
+            f"{a.gpus_per_node} a node: try '{repair(a, whole=True)}'")
+    return SlurmLayout(server_nodes=a.server_nodes, training_nodes=a.training_nodes,
+                       servers_per_node=a.servers_per_node, gpus_per_node=a.gpus_per_node,
+                       tp=a.tp, ranks_per_node=a.ranks_per_node)
 
 
 def check(job: SlurmJob) -> None:
