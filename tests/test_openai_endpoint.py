@@ -9,8 +9,10 @@ import json
 import sys
 
 import anyio
-import openai
 import pytest
+
+openai = pytest.importorskip("openai",
+                             reason="the agents' endpoint: pip install 'areal-flow[agents]'")
 
 from areal_flow import workflow
 from areal_flow.types import Completion, SamplingParams

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+pytest.importorskip("matplotlib", reason="areal-flow plot: pip install 'areal-flow[plot]'")
+
 from areal_flow.cli import main
 from areal_flow.plot import DEFAULT_KEYS, plot_runs
 from areal_flow.run import RunDir

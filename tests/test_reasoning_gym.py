@@ -10,6 +10,8 @@ import re
 import sys
 
 import pytest
+
+pytest.importorskip("reasoning_gym", reason="pip install 'areal-flow[reasoning-gym]'")
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

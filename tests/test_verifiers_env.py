@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 
+pytest.importorskip("openai", reason="pip install 'areal-flow[verifiers]'")
+pytest.importorskip("verifiers", reason="pip install 'areal-flow[verifiers]'")
+
 from areal_flow.types import SamplingParams
 from areal_flow.workflow.context import RolloutContext
 from areal_flow.agents.openai_endpoint import OpenAIEndpoint
