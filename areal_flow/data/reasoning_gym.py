@@ -34,11 +34,6 @@ SKEW_WARNING = 0.2
 """Above this fraction of eval draws skipped as training questions, the note warns."""
 
 
-def is_spec(dataset: str | None) -> bool:
-    """True for a ``reasoning_gym:<task>...`` dataset."""
-    return dataset is not None and dataset.startswith(PREFIX)
-
-
 def parse(spec: str) -> tuple[str, dict[str, Any]]:
     """``reasoning_gym:chain_sum?max_terms=3`` -> ("chain_sum", {"max_terms": 3}). A ``+`` is a
     plus sign (``operators=['+','-']``), not an encoded space as in web forms."""

@@ -15,11 +15,11 @@
   server reports before deciding. A server new to the pool is first sent ``/end_weight_update``:
   a run killed between begin and end leaves SGLang's session open, refusing every later begin,
   and anyone may end it; a refused begin likewise ends every member's session and begins again.
-- **Leases.** With `leases` (`launch/lease.py`; `from_config` for servers it did not launch), the pool
-  holds a server's lease before it sends it anything and renews it every third of its time, in
-  a task of its own (a catch-up must not delay it): a
-  server another live run holds is never admitted (logged, and `from_config` fails naming the holder when no server is
-  left), so two runs never write weights into one server.
+- **Leases.** With `leases` (`launch/lease.py`; `from_config` for servers it did not launch),
+  the pool holds a server's lease before it sends it anything and renews it every third of its
+  time, in a task of its own (a catch-up must not delay it): a server another live run holds is
+  never admitted (logged, and `from_config` fails naming the holder when no server is left), so
+  two runs never write weights into one server.
 - **Control calls.** A call to one server retries connection errors with backoff (stamina): the
   request was never sent, so this is safe for every endpoint. A server that does not answer is
   taken out of rotation, which cancels its ``/generate`` calls in flight.

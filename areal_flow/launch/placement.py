@@ -1,10 +1,11 @@
 """Which node and device runs every process of an `Allocation` (`Allocation.placement`).
 
 On one node the training ranks take the first GPUs (torchrun's rank r trains on
-``cuda:LOCAL_RANK``) and the servers the next ones, `tp` consecutive GPUs each. On several nodes no node is shared, as in the SLURM job: the servers fill
-the first nodes (``gpus // tp`` a node), the training ranks spread evenly over the rest
-(torchrun starts the same ``--nproc-per-node`` on every node); on CPU nodes each training node
-runs one rank and the servers share the other nodes.
+``cuda:LOCAL_RANK``) and the servers the next ones, `tp` consecutive GPUs each. On several nodes
+no node is shared, as in the SLURM job: the servers fill the first nodes (``gpus // tp`` a node),
+the training ranks spread evenly over the rest (torchrun starts the same ``--nproc-per-node`` on
+every node); on CPU nodes each training node runs one rank and the servers share the other
+nodes.
 """
 
 from __future__ import annotations
