@@ -36,6 +36,7 @@ from areal_flow.rollout.scheduler import RolloutError, RolloutScheduler
 from areal_flow.process_memory import peak_rss_gb, tree_rss_gb
 from areal_flow.run import RunConfig
 from areal_flow.stop_request import StopRequest
+from areal_flow.runtime import compiled_layers
 from areal_flow.runtime.distributed import same_on_all_ranks
 from areal_flow.runtime.engine import TrainConfig
 from areal_flow.types import AlgorithmCapabilities, SamplingParams
@@ -93,10 +94,11 @@ class RLConfig(RunConfig):
     rollout: RolloutConfig = RolloutConfig(batch_size=2, group_size=8, max_staleness=1,
                                            max_concurrent=32)
     sampling: SamplingParams = SamplingParams(max_new_tokens=128, temperature=1.0)
-    # 512-token micro-batches: on a CPU as fast as one big one, with a fraction of its
-    # activations (benchmarks/train_step.py); raise --train.max-tokens-per-mb on GPUs
-    train: TrainConfig = TrainConfig(optim=OptimizerConfig(lr=2e-5),
-                                     max_tokens_per_mb=512, dtype="auto")
+    # packs of up to 4,096 tokens, each row attending on its own, the MLPs and norms compiled
+    # where a C++ compiler is: 1.4x a bf16 SmolLM2 step of 512-token packs through the mask,
+    # for +0.45 GB of activations (benchmarks/train_step.py)
+    train: TrainConfig = TrainConfig(optim=OptimizerConfig(lr=2e-5), max_tokens_per_mb=4096,
+                                     packed_attention=True, compile="auto", dtype="auto")
     inference: InferenceConfig = InferenceConfig()
     allocation: AllocationOption = attrs.field(default=None,
                                                converter=attrs.converters.optional(str))
@@ -107,8 +109,8 @@ class RLConfig(RunConfig):
     dry_run: bool = False
     """Print where each process would run (--allocation) and how to start them; then exit,
     before any model or data is read."""
-    critic: TrainConfig = TrainConfig(optim=OptimizerConfig(lr=5e-5),
-                                      max_tokens_per_mb=512, dtype="auto")
+    critic: TrainConfig = TrainConfig(optim=OptimizerConfig(lr=5e-5), max_tokens_per_mb=4096,
+                                      packed_attention=True, compile="auto", dtype="auto")
     """The critic's training settings, for an algorithm with the critic role (ppo): a value
     head on the policy's backbone."""
     teacher: str | None = None
@@ -126,6 +128,9 @@ class RLConfig(RunConfig):
             object.__setattr__(self, "allocation", str(allocation))
             object.__setattr__(self, "inference", allocation.apply(self.inference,
                                                                    default=default))
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        for option, train in (("--train.compile", self.train), ("--critic.compile", self.critic)):
+            compiled_layers.wanted(train.compile, device, option)  # "on" with no compiler
         spec = registry.algorithms.spec(self.algorithm_name)  # an unknown name fails here
         options = self.algorithm
         if spec.config is not None and not isinstance(options, spec.config):

@@ -9,14 +9,17 @@ step of `TrainEngine.train` with GRPO, in the recipe's precision on this machine
 memory is its own:
   before           the LM head and an fp32 log-softmax over the whole vocabulary at every
                    position (entropy everywhere), every row, foreach AdamW, glibc's default
-                   mmap threshold, one 8,192-token micro-batch
-  defaults         log-probs only at the loss positions, chunked and recomputed in backward;
-                   no forward/backward for rows whose advantages are all zero; fused AdamW;
-                   freed tensors returned to the OS; 512-token micro-batches (the recipes');
-                   rows packed end to end (no padding; off: right-padded rows, micro-batches
-                   of length-sorted rows under rows x longest <= 512)
-  + row attention  each row of a pack attending on its own (TrainConfig.packed_attention)
+                   mmap threshold, one 8,192-token micro-batch attending through the mask
+  defaults         the RL recipes': log-probs only at the loss positions, chunked and
+                   recomputed in backward; no forward/backward for rows whose advantages are all
+                   zero; fused AdamW; freed tensors returned to the OS; rows packed end to end
+                   (no padding; off: right-padded rows, micro-batches of length-sorted rows
+                   under rows x longest <= the budget) into packs of up to 4,096 tokens, each
+                   row attending on its own (`TrainConfig.packed_attention`; off: through the
+                   pack's block-diagonal mask); the MLPs and norms compiled
+                   (`TrainConfig.compile`, where a C++ compiler is)
   - X              the defaults without X
+  512-token mb ... the recipes' defaults before 2026-11-26: 512-token packs, the mask, eager
   + act. ckpt      the defaults with activation checkpointing
 
     python benchmarks/train_step.py [--quick] [--out benchmarks/results/train_step.json]
@@ -37,15 +40,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import main, markdown_table  # noqa: E402
 
-SAVINGS = ["loss positions", "skip flat rows", "fused AdamW", "freed memory", "512-token mb",
-           "packing"]
-CONFIGS = {"before": set(), "defaults": set(SAVINGS),
-           **{f"- {x}": set(SAVINGS) - {x} for x in SAVINGS},
-           "+ act. ckpt": {*SAVINGS, "act. ckpt"},
-           "+ row attention": {*SAVINGS, "row attention"},
-           # one pack of the whole batch, each row attending on its own (off: "- 512-token mb")
-           "- 512-token mb + row attention": (set(SAVINGS) - {"512-token mb"}) | {
-               "row attention"}}
+SAVINGS = ["loss positions", "skip flat rows", "fused AdamW", "freed memory", "packing",
+           "row attention", "compile"]
+CONFIGS = {  # name -> (savings on, tokens per micro-batch)
+    "before": (set(), 8192),
+    "defaults": (set(SAVINGS), 4096),
+    **{f"- {x}": (set(SAVINGS) - {x}, 4096) for x in SAVINGS},
+    # the recipes' defaults until 2026-11-26
+    "512-token mb, - row attention - compile": (set(SAVINGS) - {"row attention", "compile"},
+                                                 512),
+    "+ act. ckpt": ({*SAVINGS, "act. ckpt"}, 4096),
+}
 
 
 def batch(vocab: int, prompts: int = 2, group: int = 8, prompt_len: int = 200,
@@ -116,7 +121,7 @@ def one(model: str, name: str, steps: int) -> dict:
     from areal_flow.runtime.engine import TrainConfig, TrainEngine
     from areal_flow.types import ModelOutput
 
-    on = CONFIGS[name]
+    on, mb_tokens = CONFIGS[name]
 
     class FullHead(TrainEngine):
         def outputs(self, mb, entropy="metric"):
@@ -134,8 +139,8 @@ def one(model: str, name: str, steps: int) -> dict:
         engine_module._return_freed_memory = lambda: None
     engine = (TrainEngine if "loss positions" in on else FullHead)(model, TrainConfig(
         optim=OptimizerConfig(lr=1e-6), dtype="auto",
-        max_tokens_per_mb=512 if "512-token mb" in on else 8192,
-        packed_attention="row attention" in on,
+        max_tokens_per_mb=mb_tokens, packed_attention="row attention" in on,
+        compile="on" if "compile" in on else "off",
         activation_checkpointing="act. ckpt" in on))
     if "fused AdamW" not in on:
         engine.optimizer = torch.optim.AdamW(engine.model.parameters(), lr=1e-6, foreach=True)
@@ -148,10 +153,12 @@ def one(model: str, name: str, steps: int) -> dict:
     for _ in range(steps):
         stats = engine.train(data, algorithm)
     seconds = (time.perf_counter() - start) / steps
+    mfu = engine.mfu(stats["train/tokens"], seconds)  # over the GEMM rate of this model's shapes
     shutdown_distributed()
     return {"config": name, "seconds_per_step": seconds,
             "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-            "skipped_rows": stats["train/skipped_rows"], "loss": stats["loss"]}
+            "skipped_rows": stats["train/skipped_rows"], "loss": stats["loss"], "mfu": mfu,
+            "dtype": engine.precision.dtype}
 
 
 def run(quick: bool = False) -> dict:
@@ -179,9 +186,10 @@ def show(result: dict) -> None:
           "memory against the runtime before these changes\n")
     base = {r["model"]: r for r in result["rows"] if r["config"] in ("before", "full head")}
     print(markdown_table(
-        ["model", "configuration", "s/step", "speed-up", "peak RSS GB", "skipped rows"],
+        ["model", "configuration", "s/step", "speed-up", "MFU", "peak RSS GB", "skipped rows"],
         [[r["model"], r["config"], f"{r['seconds_per_step']:.2f}",
           f"{base[r['model']]['seconds_per_step'] / r['seconds_per_step']:.2f}x",
+          f"{100 * r.get('mfu', float('nan')):.1f}%",
           f"{r['peak_rss_gb']:.2f}", f"{r['skipped_rows']:.0f}"] for r in result["rows"]]))
 
 

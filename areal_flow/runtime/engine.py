@@ -38,7 +38,7 @@ from areal_flow.config import OptimizerConfig
 from areal_flow.lora import LoraConfig, add_adapters, is_adapter
 from areal_flow.runtime.distributed import (init_distributed, on_rank0, same_on_all_ranks,
                                             scatter_groups)
-from areal_flow.runtime import packed_attention
+from areal_flow.runtime import compiled_layers, packed_attention
 from areal_flow.runtime.layout import PackedRows
 from areal_flow.runtime.logprobs import EntropyMode, LossPositions, loss_position_head
 from areal_flow.runtime.microbatch import micro_batches, minibatch_of_rows, split_to_count
@@ -78,10 +78,15 @@ class TrainConfig:
     packed_attention: bool = False
     """Each row of a packed micro-batch attends on its own (`packed_attention.py`), where that
     saves at least half the work of attending through the block-diagonal mask over the whole
-    pack: 1.62x for one 8,192-token pack of SmolLM2 rows. Off by default until its fp32 numbers
-    are settled: one rank with one pack (rows attended on their own) and two ranks with small
-    packs (through the mask) then differ by 3e-5 in their gradients, where tests/test_runtime.py
-    holds them to 1e-6 (with the mask on both, they agree)."""
+    pack: 1.62x for one 8,192-token pack of SmolLM2 rows. The RL recipes turn it on, with larger
+    packs. Its fp32 gradients are as close to a float64 model's as the mask's, not bit-equal to
+    them (`tests/test_engine_steps.py`); off here, so that runs compared across rank counts
+    (`tests/test_runtime.py`, to 1e-6) attend the same way. Not measured on a GPU."""
+    compile: Literal["auto", "on", "off"] = attrs.field(
+        default="off", validator=v.in_(compiled_layers.SETTINGS))
+    """torch.compile the decoder layers' MLP and norms (`compiled_layers.py`): 1.36-1.39x a
+    SmolLM2 step of one 2,287-token pack, fp32 and bf16, for a few seconds' compile at the first
+    step. auto: on a CPU with a C++ compiler (inductor's need); not on a GPU (not measured)."""
     skip_nonfinite: bool = False
     """Skip an optimizer step whose loss or gradient norm is NaN/inf (with a warning; counted in
     `skipped_step`) instead of stopping the run with an error naming the step."""
@@ -156,6 +161,9 @@ class TrainEngine:
         # (from_pretrained returns eval mode, where activation checkpointing silently does nothing)
         module.train(trainable)
         module.to(self.device)
+        self.compiled = compiled_layers.wanted(config.compile, self.device)
+        if self.compiled:
+            compiled_layers.compile_pointwise_parts(module.backbone if value else module)
         # In a one-process fp32 world FSDP2 has nothing to shard and only copies every parameter
         # and gradient through its collective buffers (0.6x the speed of the bare model,
         # benchmarks/README.md); in bf16 its mixed-precision policy does the casting, so it stays.
