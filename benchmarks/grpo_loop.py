@@ -10,8 +10,10 @@ engine, one process per run, with what each step generated, trained and re-prefi
            2026-11-25: denser than its correctness-after-shown-work reward, so that the steps
            in these timings train instead of skipping flat groups), 2 prompts x 4 completions
            x 64 tokens.
-fp32 weights for generation and training, temperature 1.0, constant lr, AdamW, grad-norm clip
-1.0, no KL, one optimizer step per batch with no extra forward pass for old logprobs.
+fp32 weights for generation and training (unless the run names a precision), the RL recipes'
+training settings (4,096-token packs, row attention, compile where it can), temperature 1.0,
+constant lr, AdamW, grad-norm clip 1.0, no KL, one optimizer step per batch with no extra
+forward pass for old logprobs.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import attrs
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER_ENV = "AREAL_FLOW_BENCH_WORKER"
@@ -85,7 +89,8 @@ def areal_flow_worker(p: dict, eta: int) -> dict:
     from areal_flow.stop_request import StopRequest
     from areal_flow.rollout.scheduler import RolloutScheduler
     from areal_flow.runtime.distributed import shutdown_distributed
-    from areal_flow.runtime.engine import TrainConfig, TrainEngine
+    from areal_flow.rl_recipes import RLConfig
+    from areal_flow.runtime.engine import TrainEngine
     from areal_flow.types import SamplingParams, WorkflowSpec
     from areal_flow.workflow.rlvr import RLVRConfig
 
@@ -98,7 +103,10 @@ def areal_flow_worker(p: dict, eta: int) -> dict:
     engine = LocalEngine.from_config(
         InferenceConfig(dtype=dtype, max_batch_size=64, threads=p.get("engine_threads")),
         model=p["model"], seed=p["seed"])
-    trainer = TrainEngine(p["model"], TrainConfig(optim=OptimizerConfig(lr=p["lr"]), dtype=dtype))
+    # the RL recipes' training settings (packs, row attention, compile), this run's lr and dtype
+    recipe_train = attrs.fields(RLConfig).train.default
+    trainer = TrainEngine(p["model"], attrs.evolve(
+        recipe_train, optim=OptimizerConfig(lr=p["lr"]), dtype=dtype))
     # one optimizer step per batch: the version-based proximal logprobs are exact (the recipe's
     # choice), so no forward pass recomputes them; TRL skips that forward in this setting too
     algorithm = GRPO(GRPOConfig(loss=PolicyLossConfig(recompute_proximal=False)))

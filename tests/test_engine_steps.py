@@ -734,7 +734,11 @@ def test_compiled_layers_take_the_eager_step(world, tiny_model_dir, dtype):
 
 
 def test_compile_on_without_a_cpu_compiler_names_the_field(monkeypatch):
+    """Refused when the recipe's config is built (before any model is read), naming the
+    option; "auto" then runs eager."""
+    from areal_flow.rl_recipes import RLConfig
+
     monkeypatch.setattr(compiled_layers, "cpu_compiler", lambda: None)
-    with pytest.raises(ValueError, match="train.compile 'on' needs a C\\+\\+ compiler"):
-        compiled_layers.wanted("on", torch.device("cpu"))
+    with pytest.raises(ValueError, match="--critic.compile 'on' needs a C\\+\\+ compiler"):
+        RLConfig(critic=TrainConfig(compile="on"))
     assert not compiled_layers.wanted("auto", torch.device("cpu"))

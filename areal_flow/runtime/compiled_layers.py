@@ -39,7 +39,7 @@ def wanted(setting: str, device: torch.device, option: str = "train.compile") ->
     never measured. "on" without a compiler is an error naming `option`."""
     if setting == "off":
         return False
-    if device.type != "cpu":
+    if device != torch.device("cpu"):  # a GPU (inductor's Triton needs no C++ compiler)
         return setting == "on"
     if cpu_compiler() is None and setting == "on":
         raise ValueError(f"{option} 'on' needs a C++ compiler on a CPU (torch.compile's "
