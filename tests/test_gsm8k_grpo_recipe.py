@@ -30,12 +30,16 @@ never earns a GSM8K reward, and flat groups have no advantage); synchronous, so 
 holds the first prompts whatever finishes first."""
 
 
-def tiny_args(model: Path, data: Path, run_dir: Path, *extra: str, fp32: bool = True) -> list[str]:
+def tiny_args(model: Path, data: Path, run_dir: Path, *extra: str, fp32: bool = True,
+              compile: str = "off") -> list[str]:
+    """`compile` off by default: compiling costs each training process a few seconds (about
+    90 s of the suite); `test_one_process` runs the recipes' default, test_engine_steps.py
+    checks the compiled parts' numbers."""
     return ["--model", str(model), "--dataset", str(data), "--run-dir", str(run_dir),
             "--steps", "2", "--eval-size", "4", "--eval-every", "1", "--save-every", "1",
             "--rollout.batch-size", "2", "--rollout.group-size", "2",
             "--sampling.max-new-tokens", "8", *(FP32 if fp32 else ()),
-            "--train.optim.lr", "1e-3", *extra]
+            "--train.optim.lr", "1e-3", "--train.compile", compile, *extra]
 
 
 ROWS = 4  # --rollout.batch-size 2 x --rollout.group-size 2
@@ -90,7 +94,8 @@ def check_run_folder(run_dir: Path, steps: int, *, rows_trained: bool = False,
 @pytest.fixture(scope="module")
 def one_process(tiny_model_dir, gsm8k_file, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("one_process") / "run"
-    result = run_recipe(RECIPE, tiny_args(tiny_model_dir, gsm8k_file, run_dir, *SAME_FIRST_BATCH))
+    result = run_recipe(RECIPE, tiny_args(tiny_model_dir, gsm8k_file, run_dir, *SAME_FIRST_BATCH,
+                                          compile="auto"))
     return run_dir, result
 
 

@@ -24,7 +24,9 @@ def ppo_args(model: Path, data: Path, run_dir: Path, *extra: str) -> list[str]:
             "--reward", "tests.rewards_for_tests:completion_length",
             "--rollout.batch-size", "8", "--sampling.max-new-tokens", "8",
             "--inference.dtype", "float32", "--train.dtype", "float32", "--train.optim.lr", "1e-3",
-            "--critic.dtype", "float32", "--critic.optim.lr", "1e-2", *extra]
+            "--critic.dtype", "float32", "--critic.optim.lr", "1e-2",
+            # a few seconds of compiling a process (tiny_args says why)
+            "--train.compile", "off", "--critic.compile", "off", *extra]
 
 
 def test_sft_lowers_heldout_nll_logs_to_tensorboard_and_keeps_the_newest_checkpoint(
