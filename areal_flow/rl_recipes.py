@@ -95,8 +95,8 @@ class RLConfig(RunConfig):
                                            max_concurrent=32)
     sampling: SamplingParams = SamplingParams(max_new_tokens=128, temperature=1.0)
     # packs of up to 4,096 tokens, each row attending on its own, the MLPs and norms compiled
-    # where a C++ compiler is: 1.4x a bf16 SmolLM2 step of 512-token packs through the mask,
-    # for +0.45 GB of activations (benchmarks/train_step.py)
+    # where a C++ compiler is: 1.27x a bf16 SmolLM2 step of 512-token packs through the mask,
+    # for +0.63 GB at its peak (benchmarks/train_step.py)
     train: TrainConfig = TrainConfig(optim=OptimizerConfig(lr=2e-5), max_tokens_per_mb=4096,
                                      packed_attention=True, compile="auto", dtype="auto")
     inference: InferenceConfig = InferenceConfig()

@@ -7,8 +7,9 @@ over the activations at memory speed (SmolLM2 at 2,287 tokens in bf16: `aten::mu
 one loop. Compiled here: every child of a decoder layer but its attention (the MLP and the
 norms), and the backbone's final norm, each with dynamic shapes (one graph for any number of
 tokens). The attention stays eager: row attention splits a pack into its rows
-(`packed_attention.py`), a graph per row count; and whole compiled layers measured slower here,
-after a 20 s compile, than these parts after 3 s (`benchmarks/train_step.py`, "+ compile").
+(`packed_attention.py`), a graph per row count; and whole compiled layers measured slower here
+(4.93 s a step against 4.55), after a 25 s first step, than these parts after about 3 s more
+(benchmarks/README.md, "Training step: compiled MLPs and norms").
 
 On a CPU inductor builds C++: it needs a compiler (g++ or clang++, or $CXX).
 """
