@@ -69,6 +69,27 @@ class EvalConfig:
             raise ValueError(f"--k {' '.join(map(str, too_big))}: pass@k needs 1 <= k <= "
                              f"--samples ({self.samples}); raise --samples or lower --k")
 
+    def __call__(self) -> int:
+        """`areal-flow eval` with these options (tyro builds them, and shows a ValueError of
+        the checks above as bad input); the exit status."""
+        from rich.console import Console
+
+        from areal_flow.cli import say
+        from areal_flow.registry import RegistryError
+
+        try:  # names, rows and the model's config are checked before any weights load
+            plan = prepare(self)
+        except (RegistryError, ValueError, OSError, ImportError) as exc:
+            say(f"areal-flow eval: {exc}", error=True)
+            return 2
+        console = Console()
+        summary = run(plan, console)
+        say(headline(summary))
+        console.print(table(summary))
+        say(f"wrote {plan.out} and {summary_path(plan.out)} in {summary['seconds']:g} s "
+            f"(peak memory {summary['peak_rss_gb']:.1f} GB)")
+        return 0
+
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     """The unbiased estimate of pass@k from `c` correct of `n` samples, 1 - C(n-c, k) / C(n, k)

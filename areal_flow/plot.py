@@ -6,6 +6,9 @@ import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Annotated
+
+import tyro
 
 try:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -107,3 +110,27 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path | None = None,
     out.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(out, dpi=100)
     return figure
+
+
+def command(
+    run_dirs: Annotated[tuple[str, ...], tyro.conf.Positional,
+                        tyro.conf.arg(metavar="RUN_DIR [RUN_DIR ...]")],
+    out: str | None = None,
+    keys: tuple[str, ...] = (),
+) -> int:
+    """Plot the metrics.jsonl curves of one or more run folders into one PNG, runs overlaid.
+
+    Args:
+        run_dirs: Run folders (each with a metrics.jsonl).
+        out: PNG file to write; default plot.png in the first run folder.
+        keys: Metrics to plot (e.g. reward/mean loss); default: areal_flow.plot.DEFAULT_KEYS.
+    """
+    from areal_flow.cli import say
+
+    try:
+        plot_runs(run_dirs, out, keys=keys or None)
+    except (FileNotFoundError, ValueError) as exc:
+        say(str(exc), error=True)
+        return 2
+    say(f"wrote {output_path(run_dirs, out)}")
+    return 0

@@ -1,4 +1,4 @@
-"""One `Registry` type, seven instances: everything selectable by name is looked up here.
+"""One `Registry` type, eight instances: everything selectable by name is looked up here.
 
 `get(name)` gives what was registered (the function or class you can call or construct);
 `spec(name)` gives its spec (`RewardSpec`, `WorkflowSpec`, `AlgorithmSpec`: the object plus what
@@ -244,4 +244,9 @@ environments = Registry("environment", "areal_flow.environments")
 dataset_sources = Registry("dataset source", "areal_flow.dataset_sources")
 """`DatasetSource`s: ``--dataset '<name>:<spec>'`` (`areal_flow.data.offline.source`)."""
 
-ALL = (workflows, rewards, algorithms, generation_pools, loggers, environments, dataset_sources)
+commands = Registry("command", "areal_flow.commands")
+"""The `areal-flow` subcommands: functions, or callable config classes, that tyro builds from the
+command line and that return the exit status (`areal_flow.cli`)."""
+
+ALL = (workflows, rewards, algorithms, generation_pools, loggers, environments, dataset_sources,
+       commands)

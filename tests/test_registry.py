@@ -485,3 +485,49 @@ def test_plugins_show_lists_a_workflows_and_an_algorithms_options_with_their_hel
     assert "--kl-coef" in (out := capsys.readouterr().out) and "--loss.eps-clip" in out
     assert cli.main(["plugins", "--show", "no_such_thing"]) == 2
     assert "known: " in capsys.readouterr().err
+
+
+GREET = """
+def greet(name: str, times: int = 1) -> int:
+    \"\"\"Say hello to NAME, TIMES times.\"\"\"
+    for _ in range(times):
+        print(f"hello {name}")
+    return 3
+"""
+
+
+def test_a_distribution_adds_an_areal_flow_command_and_a_broken_one_is_named(tmp_path):
+    """`areal_flow.commands` entry points are `areal-flow` subcommands: the options are the
+    function's parameters, the exit status its return value; one that cannot load is listed
+    with the reason and, run, exits 2 with it, while the others work."""
+    site = make_distribution(
+        tmp_path, "greet-plugin",
+        {"areal_flow.commands": {"greet": "greet_cmd:greet", "broken": "broken_cmd:run"}},
+        {"greet_cmd": GREET, "broken_cmd": "import not_a_real_module_xyz\n"})
+    ran = run_cli("greet", "--name", "ada", "--times", "2", paths=(site,), check=False)
+    assert (ran.returncode, ran.stdout) == (3, "hello ada\nhello ada\n")
+    listing = run_cli("--help", paths=(site,))
+    flat = " ".join(listing.stdout.replace("│", " ").split())
+    assert "greet Say hello to NAME, TIMES times." in flat
+    assert "broken (cannot load: No module named 'not_a_real_module_xyz')" in flat
+    assert "plot Plot the metrics.jsonl curves" in flat  # the built-in ones are still there
+    broken = run_cli("broken", paths=(site,), check=False)
+    assert broken.returncode == 2
+    assert "areal-flow broken: No module named 'not_a_real_module_xyz'" in broken.stderr
+    assert "Traceback" not in broken.stderr
+    plugins = run_cli("plugins", paths=(site,))
+    assert any([cell.strip() for cell in line.split("│")[1:4]] ==
+               ["command", "greet", "greet-plugin 0.1"]
+               for line in plugins.stdout.splitlines()), plugins.stdout
+
+
+def test_running_one_command_loads_no_other_commands_part():
+    out = run_python("""
+        import sys
+        from areal_flow.cli import main
+        assert main(["plugins"]) == 0
+        print(sorted(m for m in sys.modules if m.startswith(("areal_flow.launch",
+              "areal_flow.evaluation", "areal_flow.plot", "areal_flow.protocol_server",
+              "areal_flow.testing"))))
+        """)
+    assert out.stdout.strip().splitlines()[-1] == "[]"

@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import re
 import shlex
+from pathlib import Path
 from typing import Annotated, Literal
 
 import attrs
 import tyro
 
-from areal_flow.launch.allocation import Allocation, AllocationError, repair
+from areal_flow.launch.allocation import Allocation, AllocationError, cli_arg, repair
 
 RENDEZVOUS_PORT = 29500
 HEALTH_POLL_SECONDS = 2
@@ -296,3 +297,51 @@ srun --nodes="$TRAIN_NODES" --ntasks="$TRAIN_NODES" --ntasks-per-node=1 \\
     {q(job.recipe)} {train} \\
     --inference.addresses-file "$ADDRESSES"{extra}
 """
+
+
+def command(job: Annotated[SlurmJob, tyro.conf.OmitArgPrefixes, tyro.conf.arg(name="")],
+          out: str | None = None,
+          allocation: Annotated[Allocation | None, cli_arg()] = None) -> int:
+    """Print (or write with --out) an sbatch script for multi-node training: generation servers
+    (SGLang, or areal-flow serve on CPU nodes) on the first server_nodes nodes, torchrun on the
+    rest; the training reads the servers from an addresses file they are appended to as they come
+    up. Run under a real SLURM on CPU nodes only (tests/test_slurm_real.py); UNTESTED with GPUs
+    and SGLang.
+
+    Args:
+        out: File to write the script to; printed when not given.
+        allocation: Where everything runs, as the recipes take it ('generation: 4 servers x tp
+            2, training: 16 ranks on 3 nodes x 8 gpus'): sets --nodes, --server-nodes,
+            --gpus-per-node, --servers-per-node (and --server-program on cpu nodes).
+    """
+    from areal_flow.cli import say
+
+    if allocation is not None:
+        defaults = attrs.fields_dict(SlurmJob)
+        given = [f"--{name.replace('_', '-')}" for name in SLURM_ALLOCATION_FIELDS
+                 if getattr(job, name) != defaults[name].default]
+        if given:
+            say(f"--allocation '{allocation}' already says {', '.join(given)}: give one or "
+                 "the other", error=True)
+            return 2
+        try:
+            job = attrs.evolve(job, **slurm_layout(allocation).job_fields())
+        except AllocationError as exc:
+            say(f"--allocation: {exc}", error=True)
+            return 2
+    try:
+        script = sbatch_script(job)
+    except ValueError as exc:
+        say(str(exc), error=True)
+        return 2
+    if out is None:
+        print(script, end="")
+        return 0
+    Path(out).write_text(script)
+    say(f"wrote {out}; submit it with: sbatch {out}")
+    return 0
+
+
+SLURM_ALLOCATION_FIELDS = ("nodes", "server_nodes", "gpus_per_node", "servers_per_node",
+                           "server_program")
+"""The `areal-flow slurm` options an --allocation sets (given with it, they are refused)."""
