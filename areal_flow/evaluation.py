@@ -166,6 +166,7 @@ def row_record(index: int, row: dict, greedy: list[Episode], sampled: list[Episo
             "length": g.num_trainable_tokens if g else None,
             "truncated": g.truncated if g else None,
             "metrics": dict(g.metrics) if g else {},
+            "rates": sorted(g.rates) if g else [],  # which metrics are rates (0/1)
             "sampled_rewards": rewards,
             "sampled_lengths": [ep.num_trainable_tokens for ep in sampled],
             "sampled_truncated": [ep.truncated for ep in sampled],
@@ -192,7 +193,9 @@ def summarize(records: list[dict[str, Any]], cfg: EvalConfig) -> dict[str, Any]:
               "reward_mean": sum(r["reward"] for r in records) / n,
               **_lengths([r["length"] for r in done], [r["truncated"] for r in done]),
               "missing_episodes": n - len(done), "metrics": {}}
-    for name, (mean, interval) in metric_means([r["metrics"] for r in records], n).items():
+    rates = {name for r in records for name in r["rates"]}
+    for name, (mean, interval) in metric_means([r["metrics"] for r in records], n,
+                                               rates).items():
         greedy["metrics"][name] = mean
         if interval is not None:
             greedy["metrics"][f"{name}_ci95"] = list(interval)

@@ -445,7 +445,8 @@ def _wait_for_batch(scheduler: RolloutScheduler, stop: StopRequest, timeout: flo
 def evaluate(cfg: RLConfig, scheduler: RolloutScheduler, rows: list[dict], *,
              run: Any = None, step: int = 0) -> dict[str, float]:
     """Greedy pass@1 on the eval rows: the mean reward, response length and each of the task's
-    metrics (`Episode.metrics`) as eval/<name>, with a 95% Wilson interval for a 0/1 metric.
+    metrics (`Episode.metrics`) as eval/<name>, with a 95% Wilson interval for a rate
+    (`Episode.rates`).
     With `run` (a `RunDir`), each row's episode goes to its eval_samples.jsonl under `step`:
     the row, the completion's whole exchange after the prompt, the reward and the metrics."""
     if not rows:
@@ -466,7 +467,9 @@ def evaluate(cfg: RLConfig, scheduler: RolloutScheduler, rows: list[dict], *,
     n = len(rows)  # a row whose episode kept failing counts as a 0
     out = {"eval/reward": sum(ep.reward for ep in episodes) / n,
            "eval/response_length": sum(sum(ep.loss_mask) for ep in episodes) / n}
-    for name, (mean, interval) in metric_means([ep.metrics for ep in episodes], n).items():
+    rates = {name for ep in episodes for name in ep.rates}
+    for name, (mean, interval) in metric_means([ep.metrics for ep in episodes], n,
+                                               rates).items():
         out[f"eval/{name}"] = mean
         if interval is not None:
             out.update({f"eval/{name}_ci_low": interval[0], f"eval/{name}_ci_high": interval[1]})
@@ -491,15 +494,15 @@ def transcript(episode: Any, tokenizer: Any) -> list[dict[str, Any]]:
             for seg in episode.segments[first:]]
 
 
-def metric_means(metrics: list[dict[str, float]], n: int
+def metric_means(metrics: list[dict[str, float]], n: int, rates: set[str]
                  ) -> dict[str, tuple[float, tuple[float, float] | None]]:
     """Each task metric's mean over `n` rows (a row without it, or without an episode, counts
-    as 0), with a 95% Wilson interval where every value is 0 or 1 (a rate)."""
+    as 0), with a 95% Wilson interval for a rate (named in `rates`: declared 0/1 by its reward
+    or workflow); a value (a count, a length) gets none, whatever values it happened to take."""
     out = {}
     for name in sorted({name for row in metrics for name in row}):
-        values = [float(row.get(name, 0.0)) for row in metrics]
-        rate = all(value in (0.0, 1.0) for value in values)
-        out[name] = (sum(values) / n, wilson_interval(round(sum(values)), n) if rate else None)
+        total = sum(float(row.get(name, 0.0)) for row in metrics)
+        out[name] = (total / n, wilson_interval(round(total), n) if name in rates else None)
     return out
 
 

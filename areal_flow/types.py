@@ -273,6 +273,10 @@ class Episode:
     """The task's own numbers (e.g. accuracy), averaged over each batch into metrics.jsonl and the
     live panel, and over eval episodes as eval/<name>. A reward's `metrics` function fills it
     through `ctx.reward`; a workflow may set more."""
+    rates: set[str] = attrs.field(factory=set, converter=set)
+    """The names in `metrics` that are rates (each value 0 or 1): eval gives their mean a 95%
+    Wilson interval; any other metric is a value (a count, a length: a mean only). A reward's
+    `rates` enter through `ctx.reward`; a workflow adds the rates it sets itself."""
     temperature: float | None = None
     truncated: bool = False
     """The episode did not end, it was cut: its last model turn stopped at its token budget
@@ -469,8 +473,14 @@ class RewardSpec:
     metrics: Callable[..., dict[str, float]] | None = None
     """``metrics(completion, **kwargs) -> {name: number}``, called like the reward after it scored
     (in the rollout process: cheap checks only); the numbers go to the episode's `metrics`."""
+    rates: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    """The `metrics` names that are rates (each value 0 or 1, e.g. accuracy): eval gives their
+    mean a 95% Wilson interval. The others are values (counts, lengths, scores): a mean only."""
 
     def __attrs_post_init__(self) -> None:
+        if self.rates and self.metrics is None:
+            raise ValueError(f"'rates' {list(self.rates)} name metrics, but reward "
+                             f"{self.name!r} declares no 'metrics' function")
         lo, hi = self.range
         if not lo <= hi:
             raise ValueError(f"'range' must be (low, high) with low <= high: {self.range}")

@@ -356,15 +356,15 @@ def test_every_stale_drop_in_a_period_is_counted():
 def test_an_episode_metric_name_must_be_a_plain_word(name):
     from areal_flow.rollout.scheduler import _check_metrics
 
-    _check_metrics("w", {"accuracy": 1.0, "solved": True})
+    _check_metrics("w", {"accuracy": 1.0, "solved": True}, set())
     with pytest.raises(ValueError, match="plain word"):
-        _check_metrics("w", {name: 1.0})
+        _check_metrics("w", {name: 1.0}, set())
 
 
 def test_an_episode_metric_is_a_number_under_a_string_name():
     from areal_flow.rollout.scheduler import _check_metrics
 
     with pytest.raises(ValueError, match="plain word"):
-        _check_metrics("w", {3: 1.0})
+        _check_metrics("w", {3: 1.0}, set())
     with pytest.raises(TypeError, match="a metric is a number"):
-        _check_metrics("w", {"level": "high"})
+        _check_metrics("w", {"level": "high"}, set())

@@ -27,7 +27,7 @@ def checks(completion: str, *, answer: str) -> dict[str, float]:
     return {"exact": float(completion == answer), "long": float(len(completion) > 3)}
 
 
-@reward("tests.task_metrics.exact", metrics=checks)
+@reward("tests.task_metrics.exact", metrics=checks, rates=("exact",))  # `long`: a value
 def exact(completion: str, *, answer: str) -> float:
     return float(completion == answer)
 
@@ -66,14 +66,17 @@ def test_gsm8k_reports_its_grades_and_a_reward_without_metrics_reports_none():
 
 @workflow("tests.task_metrics.flow")
 async def flow(ctx, sample):
-    """Scores with the reward's metrics; row 1 adds a metric of its own and overrides one."""
+    """Scores with the reward's metrics; each row adds a rate of its own (`first`), row 1 a
+    count (`turns`) and overrides one."""
     prompt = ctx.chat([{"role": "user", "content": sample["text"]}])
     episode = ctx.episode(prompt, await ctx.generate(prompt))
     episode.reward = await ctx.reward("tests.task_metrics.exact", sample["text"],
                                       answer=sample["answer"])
     episode.info["text"] = sample["text"]
+    episode.metrics["first"] = float(sample["id"] == 0)
+    episode.rates.add("first")
     if sample["id"] == 1:
-        episode.metrics.update(turns=2, long=0.5)
+        episode.metrics.update(turns=1, long=1.0)
     return episode
 
 
@@ -82,6 +85,7 @@ async def bad(ctx, sample):
     prompt = ctx.chat([{"role": "user", "content": "x"}])
     episode = ctx.episode(prompt, await ctx.generate(prompt), reward=0.0)
     episode.metrics[sample["name"]] = sample["value"]
+    episode.rates.update(sample.get("rates", ()))
     return episode
 
 
@@ -103,29 +107,45 @@ ROWS = [{"id": 0, "text": "four", "answer": "four"}, {"id": 1, "text": "one", "a
 
 def test_batch_eval_and_samples_carry_the_tasks_own_numbers():
     metrics, evaluated, shown = run("tests.task_metrics.flow", ROWS)
-    # per row: exact 1, 0, 0; long 1, 0.5 (the workflow's own wins), 1; turns only on row 1
+    # per row: exact 1, 0, 0; long 1, 1 (the workflow's own wins over 0), 1; first 1, 0, 0;
+    # turns only on row 1
     assert metrics["exact"] == pytest.approx(1 / 3)
-    assert metrics["long"] == pytest.approx(2.5 / 3)
-    assert metrics["turns"] == 2.0  # averaged over the rows that report it
-    assert metrics["task_metrics"] == ["exact", "long", "turns"]
-    assert evaluated["eval/exact"] == pytest.approx(1 / 3)
+    assert metrics["long"] == 1.0
+    assert metrics["turns"] == 1.0  # averaged over the rows that report it
+    assert metrics["task_metrics"] == ["exact", "first", "long", "turns"]
+    assert evaluated["eval/exact"] == evaluated["eval/first"] == pytest.approx(1 / 3)
     assert evaluated["eval/reward"] == pytest.approx(1 / 3)
-    # a 0/1 metric gets its 95% interval; 0.5 is not 0/1, so `long` gets none
-    assert evaluated["eval/exact_ci_low"] < 1 / 3 < evaluated["eval/exact_ci_high"]
-    assert "eval/long_ci_low" not in evaluated and "eval/turns" in evaluated
-    assert [s["metrics"] for s in shown] == [{"exact": 1.0, "long": 1.0},
-                                             {"exact": 0.0, "long": 0.5, "turns": 2.0},
-                                             {"exact": 0.0, "long": 1.0}]
+    # rates get their 95% interval: the reward's (exact) and the workflow's (first)
+    for rate in ("exact", "first"):
+        assert evaluated[f"eval/{rate}_ci_low"] < 1 / 3 < evaluated[f"eval/{rate}_ci_high"]
+    # values get none, though every value they took was 0 or 1: a count, a declared value
+    assert evaluated["eval/turns"] == pytest.approx(1 / 3) and evaluated["eval/long"] == 1.0
+    assert {"eval/long_ci_low", "eval/turns_ci_low", "eval/long_ci_high",
+            "eval/turns_ci_high"}.isdisjoint(evaluated)
+    assert [s["metrics"] for s in shown] == [{"exact": 1.0, "long": 1.0, "first": 1.0},
+                                             {"exact": 0.0, "long": 1.0, "turns": 1,
+                                              "first": 0.0},
+                                             {"exact": 0.0, "long": 1.0, "first": 0.0}]
     assert [s["info"]["text"] for s in shown] == ["four", "one", "three"]
 
 
 @pytest.mark.parametrize(("name", "value", "message"), [
     ("accuracy", "high", r"episode.metrics\['accuracy'\] is str 'high'; a metric is a number"),
     ("eval/accuracy", 1.0, r"metric name 'eval/accuracy' must be a plain word"),
+    ("turns", 3, r"episode.metrics\['turns'\] is 3, but it is declared a rate .* a rate is 0 or 1"),
+    ("solved", 1.0, r"episode.rates names \['sovled'\], which episode.metrics does not hold"),
 ])
 def test_a_metric_that_is_not_a_named_number_fails_once_naming_it(name, value, message):
+    rates = {"turns": ["turns"], "solved": ["sovled"]}.get(name, [])
     with pytest.raises(RolloutError, match=message):
-        run("tests.task_metrics.bad", [{"name": name, "value": value}], max_retries=2)
+        run("tests.task_metrics.bad", [{"name": name, "value": value, "rates": rates}],
+            max_retries=2)
+
+
+def test_a_reward_declares_rates_only_with_a_metrics_function():
+    with pytest.raises(ValueError, match=r"'rates' \['accuracy'\] name metrics, but reward "
+                                         r"'tests.no_metrics' declares no 'metrics' function"):
+        reward("tests.no_metrics", rates=("accuracy",))(lambda completion: 0.0)
 
 
 def test_the_panel_shows_the_tasks_metrics_where_the_columns_say(capsys):

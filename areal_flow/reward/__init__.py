@@ -18,6 +18,7 @@ def reward(
     default: float = 0.0,
     range: tuple[float, float] = (0.0, 1.0),  # noqa: A002 - the contract's own word
     metrics: Callable[..., dict[str, float]] | None = None,
+    rates: tuple[str, ...] = (),
 ) -> Callable[[F], F]:
     """Register ``fn(completion: str, **kwargs) -> float`` (sync or async) as reward `name`.
 
@@ -25,11 +26,13 @@ def reward(
     be defined at the top level of a module. A call that raises, crashes or runs past `timeout`
     seconds scores `default`; every score must lie within `range`. `metrics`, called with the
     reward's arguments, names the task's own numbers (accuracy, format, ...) that the training
-    panel and metrics.jsonl show for the episodes it scored. The function is returned unchanged.
+    panel and metrics.jsonl show for the episodes it scored; `rates` says which of them are
+    rates (0 or 1 per episode: eval gives them a 95% interval), the others are values. The
+    function is returned unchanged.
     """
     def decorate(fn: F) -> F:
         spec = RewardSpec(name=name, fn=fn, timeout=timeout, default=default, range=range,
-                          metrics=metrics)
+                          metrics=metrics, rates=rates)
         return rewards.register(name, spec)
 
     return decorate

@@ -79,7 +79,8 @@ def shows_work(text: str) -> bool:
     return _CALCULATION.search(before) is not None
 
 
-@reward("gsm8k", timeout=5.0, default=0.0, range=(0.0, 1.0), metrics=grade)
+@reward("gsm8k", timeout=5.0, default=0.0, range=(0.0, 1.0), metrics=grade,
+        rates=("accuracy", "accuracy_lenient", "format", "work_shown"))
 def gsm8k(completion: str, *, answer: str, format_weight: float = 0.0,
           require_work: bool = False) -> float:
     """1 for the right final number, else 0; with `require_work`, the right number counts only

@@ -72,7 +72,8 @@ def grade(completion: str, answer: dict[str, Any], **_: object) -> dict[str, flo
             "format": float(strict is not None)}
 
 
-@reward("reasoning_gym", timeout=10.0, default=0.0, range=(0.0, 1.0), metrics=grade)
+@reward("reasoning_gym", timeout=10.0, default=0.0, range=(0.0, 1.0), metrics=grade,
+        rates=("accuracy", "accuracy_lenient", "format"))
 def reasoning_gym(completion: str, *, answer: dict[str, Any]) -> float:
     """The task's `score_answer` of the strict answer; `answer` is the reasoning-gym entry
     (question, answer, metadata), as in the rows of areal_flow/data/reasoning_gym.py."""

@@ -531,7 +531,8 @@ class RolloutScheduler:
             if episode is not None:
                 episode.info.setdefault("sample_id", sample_id)
                 episode.metrics = {**ctx.metrics, **episode.metrics}  # the workflow's own win
-                _check_metrics(self.workflow.name, episode.metrics)
+                episode.rates = {*ctx.rates, *episode.rates}
+                _check_metrics(self.workflow.name, episode.metrics, episode.rates)
             results[i] = episode
 
         try:
@@ -586,7 +587,10 @@ class RolloutScheduler:
         return len(stale)
 
 
-def _check_metrics(workflow: str, metrics: dict[str, Any]) -> None:
+def _check_metrics(workflow: str, metrics: dict[str, Any], rates: set[str]) -> None:
+    if unknown := sorted(rates - set(metrics)):
+        raise ValueError(f"workflow {workflow!r}: episode.rates names {unknown}, which "
+                         f"episode.metrics does not hold (it holds {sorted(metrics)})")
     for name, value in metrics.items():
         if not isinstance(name, str) or "/" in name or not name:
             raise ValueError(f"workflow {workflow!r}: episode metric name {name!r} must be a "
@@ -595,3 +599,8 @@ def _check_metrics(workflow: str, metrics: dict[str, Any]) -> None:
             raise TypeError(f"workflow {workflow!r}: episode.metrics[{name!r}] is "
                             f"{type(value).__name__} {value!r}; a metric is a number, averaged "
                             "over the batch")
+        if name in rates and value not in (0, 1):
+            raise ValueError(f"workflow {workflow!r}: episode.metrics[{name!r}] is {value!r}, "
+                             "but it is declared a rate (episode.rates, or its reward's "
+                             "`rates`): a rate is 0 or 1; leave it out of the rates if it is "
+                             "a value")

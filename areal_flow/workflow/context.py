@@ -63,6 +63,9 @@ class RolloutContext:
         self.metrics: dict[str, float] = {}
         """What the rewards' `metrics` functions said about this episode (the latest call's value
         per name); the scheduler adds them to the episode's `metrics`."""
+        self.rates: set[str] = set()
+        """Which of `metrics` their rewards declare rates (`RewardSpec.rates`); the scheduler
+        adds them to the episode's `rates`."""
         self.over_budget: PromptTooLong | None = None
         """A prompt the OpenAI endpoint refused as over `max_prompt_tokens`: the scheduler skips
         the sample (as `rlvr`'s too-long prompt) whatever the agent did with the refusal."""
@@ -191,11 +194,13 @@ class RolloutContext:
         a hung, crashing or raising reward scores its default. Its `metrics` function, if it
         declares one, records the task's numbers for this episode in `self.metrics`; one that
         raises or returns anything but {name: finite number} records nothing and counts as a
-        failure of the reward (`RewardRunner.score_with_metrics`), never one of the workflow."""
-        from areal_flow.reward.runner import score_with_metrics
+        failure of the reward (`RewardRunner.score_with_metrics`), never one of the workflow.
+        The ones the reward declares rates go to `self.rates`."""
+        from areal_flow.reward.runner import resolve, score_with_metrics
 
         score, metrics = await score_with_metrics(self._score, reward, *args, **kwargs)
         self.metrics.update(metrics)
+        self.rates.update(name for name in resolve(reward).rates if name in metrics)
         return score
 
     async def judge(self, rubric: str, completion: str, *, question: str | None = None,

@@ -103,7 +103,8 @@ def countdown_metrics(completion: str, *, numbers: list[int], target: int) -> di
             "numbers_valid": float(verdict.numbers_valid)}
 
 
-@reward("countdown", timeout=2.0, default=0.0, range=(0.0, 1.0), metrics=countdown_metrics)
+@reward("countdown", timeout=2.0, default=0.0, range=(0.0, 1.0), metrics=countdown_metrics,
+        rates=("solved", "format", "numbers_valid"))
 def countdown(completion: str, *, numbers: list[int], target: int) -> float:
     """1 if the last <answer> reaches `target` using each of `numbers` at most once; 0.1 if it
     uses only those numbers but has another value; else 0."""

@@ -153,7 +153,8 @@ def answer_metrics(completion: str, *, answer: str, **fields) -> dict[str, float
             "f1": token_f1(found[-1], str(answer))}
 
 
-@reward("search.answer", timeout=2.0, default=0.0, range=(0.0, 1.0), metrics=answer_metrics)
+@reward("search.answer", timeout=2.0, default=0.0, range=(0.0, 1.0), metrics=answer_metrics,
+        rates=("exact",))  # f1 is a value in [0, 1], not a rate
 def answer_score(completion: str, *, answer: str, f1_weight: float = 0.0, **fields) -> float:
     """(1 - f1_weight) * exact match + f1_weight * token F1, of the last <answer>...</answer>
     against `answer` (both normalised as SQuAD does); 0 without an <answer>."""
@@ -221,6 +222,7 @@ async def agent(ctx, sample: dict):
     episode.metrics["searches"] = len(queries)
     if cfg.passage_field in sample:
         episode.metrics["retrieved"] = float(sample[cfg.passage_field] in shown)
+        episode.rates.add("retrieved")  # 0 or 1: eval gives it an interval
     episode.info.update(queries=queries, shown=sorted(shown))
     return episode
 
