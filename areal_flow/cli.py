@@ -66,19 +66,7 @@ def _show_options(name: str) -> int:
               file=sys.stderr)
         return 2
     for reg in kinds:
-        config = reg.spec(name).config
-        if config is None:
-            print(f"{reg.kind} {name} takes no options")
-            continue
-        how = "--workflow-config '{\"field\": value, ...}' (or a YAML file)" \
-            if reg is registry.workflows else f"--algorithm {name} --algorithm.<field> value"
-        if reg is registry.workflows:
-            print("In --workflow-config each option below is a key, with underscores "
-                  "(--question-field: question_field).")
-        try:
-            tyro.cli(config, args=["--help"], prog=f"{reg.kind} {name}: {how}")
-        except SystemExit:  # tyro exits after printing the help
-            pass
+        registry.show_options(reg, name)
     return 0
 
 

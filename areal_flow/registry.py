@@ -244,6 +244,27 @@ environments = Registry("environment", "areal_flow.environments")
 dataset_sources = Registry("dataset source", "areal_flow.dataset_sources")
 """`DatasetSource`s: ``--dataset '<name>:<spec>'`` (`areal_flow.data.offline.source`)."""
 
+def show_options(reg: Registry, name: str) -> None:
+    """Print the options of workflow or algorithm `name` (`reg`: `workflows` or `algorithms`):
+    its config class as tyro's help shows it, each field with its type, default and docstring
+    (`areal-flow plugins --show NAME`; a recipe's `--workflow NAME --help`)."""
+    import tyro
+
+    config = reg.spec(name).config
+    if config is None:
+        print(f"{reg.kind} {name} takes no options")
+        return
+    how = "--workflow-config '{\"field\": value, ...}' (or a YAML file)" \
+        if reg is workflows else f"--algorithm {name} --algorithm.<field> value"
+    if reg is workflows:
+        print("In --workflow-config each option below is a key, with underscores "
+              "(--question-field: question_field).")
+    try:
+        tyro.cli(config, args=["--help"], prog=f"{reg.kind} {name}: {how}")
+    except SystemExit:  # tyro exits after printing the help
+        pass
+
+
 commands = Registry("command", "areal_flow.commands")
 """The `areal-flow` subcommands: functions, or callable config classes, that tyro builds from the
 command line and that return the exit status (`areal_flow.cli`)."""

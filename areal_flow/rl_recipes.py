@@ -157,8 +157,7 @@ def cli(config_class: type[C], args: Sequence[str] | None = None) -> C:
             refuse_replaced_flags(args)
         except AllocationError as error:
             usage_error(error)
-    name = next((value for flag, value in zip(args, args[1:]) if flag == "--algorithm"), None)
-    name = next((a.split("=", 1)[1] for a in args if a.startswith("--algorithm=")), name)
+    name = _flag(args, "--algorithm")
     default = attrs.fields_dict(config_class)["algorithm_name"].default
     if name is not None and name != default:
         try:
@@ -173,7 +172,27 @@ def cli(config_class: type[C], args: Sequence[str] | None = None) -> C:
                      "__qualname__": config_class.__qualname__}
         config_class = attrs.frozen(kw_only=True)(
             type(config_class.__name__, (config_class,), namespace))
-    return tyro.cli(config_class, args=args)
+    workflow = _flag(args, "--workflow")
+    if workflow is None or not {"-h", "--help"} & set(args):
+        return tyro.cli(config_class, args=args)
+    try:  # --workflow NAME --help: the recipe's options, then the workflow's
+        return tyro.cli(config_class, args=args)
+    finally:  # tyro exits after printing the help
+        try:
+            registry.show_options(registry.workflows, workflow)
+        except registry.RegistryError as error:
+            print(f"--workflow {workflow}: {error}", file=sys.stderr)
+
+
+def _flag(args: list[str], flag: str) -> str | None:
+    """The value of `flag` in `args` (``--flag VALUE`` or ``--flag=VALUE``; the last one)."""
+    found = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            found = args[i + 1]
+        elif arg.startswith(flag + "="):
+            found = arg.split("=", 1)[1]
+    return found
 
 
 def usage_error(error: Exception) -> NoReturn:

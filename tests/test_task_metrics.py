@@ -187,6 +187,18 @@ def test_algorithm_help_lists_that_algorithms_options(capsys):
     assert "--algorithm.lam" in shown and "--algorithm.std-normalize" not in shown
 
 
+def test_workflow_help_lists_that_workflows_options_after_the_recipes(capsys):
+    with pytest.raises(SystemExit):
+        rl_recipes.cli(RLConfig, ["--workflow=tool_use", "--help"])
+    shown = capsys.readouterr().out
+    recipe, workflow = shown.index("--rollout.batch-size"), shown.index("--max-calls INT")
+    assert recipe < workflow and "Most calculator calls per episode." in shown
+    assert "--max-turns" not in shown  # multi_turn's, not tool_use's
+    with pytest.raises(SystemExit):
+        rl_recipes.cli(RLConfig, ["--workflow", "no_such_flow", "-h"])
+    assert "--workflow no_such_flow: unknown workflow 'no_such_flow'" in capsys.readouterr().err
+
+
 def test_options_of_another_algorithm_are_refused():
     with pytest.raises(ValueError, match="--algorithm ppo takes a PPOConfig as its options, "
                                          "not a GRPOConfig"):
