@@ -52,8 +52,16 @@ class RolloutConfig:
     scheduler's stale_dropped_token_fraction/len_* stats). oldest_version: the groups whose
     oldest token is oldest, i.e. closest to being dropped, so long generations are trained
     before they go stale; the cost is staler trained tokens on average (more off-policy)."""
+    filter_flat_groups: int = attrs.field(default=0, validator=v.ge(0))
+    """Dynamic sampling (DAPO): drop up to this many flat groups (every reward equal: no
+    signal for group-relative advantages) per batch, each replaced by a group of another prompt;
+    past the bound flat groups are kept, so a batch always comes. 0: off. The cost is in the
+    metrics: rollout/dropped_flat_groups and rollout/dropped_flat_tokens."""
 
     def __attrs_post_init__(self) -> None:
+        if self.filter_flat_groups and self.group_size < 2:
+            raise ValueError(f"'filter_flat_groups' needs group_size >= 2: a group of "
+                             f"{self.group_size} is always flat")
         if self.min_group_size > self.group_size:
             raise ValueError(
                 f"'min_group_size' must be <= group_size ({self.group_size}): {self.min_group_size}"

@@ -377,6 +377,9 @@ def panel_columns(cfg: RLConfig, *, critic: bool, teacher: bool) -> dict[str, st
                         "none") != "none"
     return {"reward/mean": "reward", "task_metrics": "",  # the task's own, e.g. accuracy
             "reward/flat_group_fraction": "flat groups", "response_length/mean": "length",
+            # dynamic sampling: the flat groups drawn and dropped for this step's batch
+            **({"rollout/dropped_flat_groups": "dropped flat"}
+               if cfg.rollout.filter_flat_groups else {}),
             **({"critic/value_loss": "value loss"} if critic else {}),
             **({"distill/reverse_kl": "reverse KL"} if teacher else {}),
             **({"mismatch/abs_log_ratio_mean": "mismatch"} if corrected else {}),

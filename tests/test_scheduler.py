@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import pytest
 import torch
 
@@ -563,3 +564,60 @@ def test_a_workflow_spec_object_is_taken_as_it_is():
                          tokenizer=NullTokenizer(), score=unused, sampling=SamplingParams(),
                          config=RolloutConfig(batch_size=1, group_size=1))
     assert s.workflow is spec
+
+
+@workflow("tests.flat_or_not")
+async def flat_or_not(ctx, sample):
+    """A `flat` row rewards every episode 1 (no signal); another rewards its episodes 1, 0."""
+    prompt = ctx.chat([{"role": "user", "content": "ab"}])
+    episode = ctx.episode(prompt, await ctx.generate(prompt))
+    episode.reward = 1.0 if sample["flat"] else float(ctx.episode_id.endswith("/0"))
+    return episode
+
+
+def flat_scheduler(dataset, **config):
+    return RolloutScheduler(
+        pool=InstantPool(), workflow="tests.flat_or_not", dataset=dataset,
+        tokenizer=NullTokenizer(), score=unused, sampling=SamplingParams(), shuffle=False,
+        config=RolloutConfig(**{"max_concurrent": 8, "group_size": 2, "batch_size": 2,
+                                "max_staleness": 0, **config}))
+
+
+def group_rewards(batch) -> list[list[float]]:
+    rows = zip(batch["group_ids"].tolist(), batch["rewards"].tolist())
+    return [[r for _, r in group] for _, group in itertools.groupby(rows, key=lambda p: p[0])]
+
+
+def test_dynamic_sampling_trains_no_flat_group_and_counts_what_it_dropped():
+    data = [{"flat": i % 3 != 0} for i in range(12)]  # rows 0, 3, 6, 9 have signal
+    with flat_scheduler(data, filter_flat_groups=100) as s:
+        batches = [s.prepare_batch(timeout=10)]
+        s.pool.version = 1  # the weights the next groups are generated with
+        s.set_version(1)
+        batches.append(s.prepare_batch(timeout=10))
+        s.settle()  # nothing more is admitted before the next version
+        stats = s.stats()
+    assert [group_rewards(b) for b in batches] == [[[1.0, 0.0]] * 2] * 2
+    assert [b["sample_ids"].tolist() for b in batches] == [[0, 0, 3, 3], [6, 6, 9, 9]]
+    # rows 1, 2, 4, 5, 7, 8 were drawn and dropped, 2 episodes of 2 tokens each
+    assert (stats["dropped_flat_groups"], stats["dropped_flat_tokens"]) == (6, 6 * 2 * 2)
+    assert stats["accepted_groups"] == 4
+
+
+def test_dynamic_sampling_drops_at_most_its_bound_per_batch_then_keeps_flat_groups():
+    data = [{"flat": True} for _ in range(40)]
+    with flat_scheduler(data, filter_flat_groups=3) as s:
+        for version in range(1, 4):
+            batch = s.prepare_batch(timeout=10)  # comes although every group is flat
+            s.settle()
+            stats = s.stats()
+            assert stats["dropped_flat_groups"] == 3, version  # the bound, again each batch
+            assert group_rewards(batch) == [[1.0, 1.0]] * 2
+            s.pool.version = version
+            s.set_version(version)
+
+
+def test_dynamic_sampling_needs_groups_of_two():
+    with pytest.raises(ValueError, match="'filter_flat_groups' needs group_size >= 2: a group "
+                                         "of 1 is always flat"):
+        RolloutConfig(group_size=1, filter_flat_groups=4)

@@ -11,6 +11,10 @@ where `accepted` counts groups accepted and not dropped (consumed ones included)
 counts groups in flight. At consumption, a group holding a token older than version − η is dropped
 and counted: interrupted generations can outlive the admission check.
 
+Dynamic sampling (`RolloutConfig.filter_flat_groups` = N): a finished group whose rewards are
+all equal is dropped, freeing its place for another prompt, until N have been dropped since the
+last batch; after that flat groups are kept, so a batch always comes.
+
 Consumption order (`RolloutConfig.consume_order`): "fifo" takes groups as they finished, which
 favours short generations — long ones wait and are the ones that go stale; "oldest_version" takes
 first the groups closest to going stale. `stats()` reports the fraction of model tokens leaving the
@@ -153,6 +157,7 @@ class RolloutScheduler:
         self._consecutive_drops = 0
         self._consecutive_empty = 0  # of those drops, groups whose every episode was None
         self._counts: Counter[str] = Counter()
+        self._flat_dropped = 0  # flat groups dropped since the last batch (filter_flat_groups)
         self._peak_running = 0
         # model tokens that left the queue, by (dropped as stale?, "" or a length bucket)
         self._tokens: Counter[tuple[bool, str]] = Counter()
@@ -260,6 +265,7 @@ class RolloutScheduler:
                     groups.sort(key=lambda g: g.serial)
                     self._count_tokens_locked(groups, stale=False)
                     self._consumed += size
+                    self._flat_dropped = 0  # the next batch may drop as many again
                     for g in groups:
                         del self._inflight[g.serial]
                     version = self._version
@@ -433,6 +439,12 @@ class RolloutScheduler:
 
     def _accept_locked(self, group: _Group) -> bool:
         episodes = group.episodes
+        if self._flat_dropped < self.config.filter_flat_groups and len(episodes) > 1 and \
+                not has_reward_variance(episodes):  # dynamic sampling, bounded per batch
+            self._flat_dropped += 1
+            self._counts["dropped_flat_groups"] += 1
+            self._counts["dropped_flat_tokens"] += sum(ep.num_trainable_tokens for ep in episodes)
+            return False
         reason = None
         if len(episodes) < self.config.min_group_size:
             reason = "dropped_small_groups"
