@@ -28,6 +28,7 @@ the next measurement's.
 
 from __future__ import annotations
 
+import inspect
 import asyncio
 import os
 import statistics
@@ -80,13 +81,16 @@ def bare(path: Path, dtype: str, batch: int, steps: int) -> list[float]:
                                                  attn_implementation="sdpa").eval()
     ids = torch.tensor(prompts(batch, model.config.vocab_size))
     times = []
+    # the KV cache as this transformers names it (`cache` from 5.24; the old name warns)
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters \
+        else "past_key_values"
     with torch.inference_mode():
         out = model(ids, use_cache=True)
-        cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        cache, token = getattr(out, name), out.logits[:, -1].argmax(-1, keepdim=True)
         for _ in range(WARMUP + steps):
             start = time.perf_counter()
-            out = model(token, past_key_values=cache, use_cache=True)
-            cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+            out = model(token, use_cache=True, **{name: cache})
+            cache, token = getattr(out, name), out.logits[:, -1].argmax(-1, keepdim=True)
             times.append(time.perf_counter() - start)
     return times[WARMUP:]
 

@@ -4,6 +4,7 @@ written out layer by layer (`decode_step`). The speed is in `benchmarks/decode.p
 
 from __future__ import annotations
 
+import inspect
 import pytest
 import torch
 from hypothesis import given, settings
@@ -158,9 +159,12 @@ def test_grouped_attention_is_for_a_cpu_and_matches_sdpa_on_a_padded_cached_batc
         for net in (model, grouped):
             first = net(input_ids=ids, attention_mask=mask, position_ids=kv_batch.positions(mask),
                         use_cache=True)
+            # the KV cache as this transformers names it (`cache` from 5.24, as the engine does)
+            name = "cache" if "cache" in inspect.signature(net.forward).parameters \
+                else "past_key_values"
             step = net(input_ids=torch.tensor([[11], [12]]), attention_mask=step_mask,
                        position_ids=step_mask.sum(1, keepdim=True) - 1,
-                       past_key_values=first.past_key_values, use_cache=True)
+                       use_cache=True, **{name: getattr(first, name)})
             outs.append((first.logits, step.logits))
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
