@@ -10,7 +10,7 @@ from areal_flow import reward, workflow
 from areal_flow.config import RolloutConfig
 from areal_flow.registry import workflows as workflow_specs
 from areal_flow.rollout.scheduler import RolloutError, RolloutScheduler
-from areal_flow.types import Completion, SamplingParams
+from areal_flow.types import Completion, RunEndingError, SamplingParams
 from areal_flow.workflow.context import field
 
 # a bug that hangs the scheduler leaves a test waiting without using CPU time (what mutmut
@@ -125,6 +125,40 @@ def test_a_run_ending_error_is_not_retried_and_stops_training_and_evaluation():
             s.rollout_batch([{"id": 9, "text": "a"}])
     assert set(attempts.values()) == {1}  # never a second attempt
     assert "workflow_errors" not in stats
+
+
+@workflow("tests.needs_a_missing_package")
+async def needs_a_missing_package(ctx, sample):
+    attempts[sample["id"]] = attempts.get(sample["id"], 0) + 1
+    import not_an_installed_package_xyz  # noqa: F401
+
+
+def test_a_workflow_needing_a_missing_package_ends_the_run_at_its_first_row_naming_it():
+    attempts.clear()
+    data = [{"id": i} for i in range(4)]
+    with RolloutScheduler(
+            pool=InstantPool(), workflow="tests.needs_a_missing_package", dataset=data,
+            tokenizer=NullTokenizer(), score=unused, sampling=SamplingParams(), shuffle=False,
+            config=RolloutConfig(batch_size=2, group_size=1, max_retries=3,
+                                 max_concurrent=1)) as s:
+        with pytest.raises(RunEndingError, match="workflow 'tests.needs_a_missing_package' "
+                           "needs a package that is not installed: No module named "
+                           "'not_an_installed_package_xyz'"):
+            s.prepare_batch(timeout=30)
+    assert attempts == {0: 1}  # no retry, no second row
+
+
+def test_openai_client_without_openai_names_the_extra(monkeypatch):
+    import sys
+
+    from areal_flow.workflow.context import RolloutContext
+
+    monkeypatch.setitem(sys.modules, "openai", None)  # `import openai` now fails
+    ctx = RolloutContext(pool=InstantPool(), tokenizer=NullTokenizer(), score=unused,
+                         sampling=SamplingParams(), episode_id="0/0/0")
+    with pytest.raises(ModuleNotFoundError, match=r"ctx.openai_client\(\) needs the openai "
+                       r"package: pip install 'areal-flow\[agents\]'"):
+        ctx.openai_client()
 
 
 @workflow("tests.rejects_everything")

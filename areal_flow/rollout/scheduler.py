@@ -483,7 +483,10 @@ class RolloutScheduler:
             except PromptTooLong as exc:
                 log.info("sample %s skipped: %s", sample_id, exc)
                 return None, "skipped_long_prompts"
-            except RunEndingError as exc:  # not the row's: no retry, no workflow error
+            except (RunEndingError, ImportError) as exc:  # not the row's: no retry, no workflow
+                if isinstance(exc, ImportError):  # error; every row would fail the same way
+                    exc = RunEndingError(f"workflow {self.workflow.name!r} needs a package that "
+                                         f"is not installed: {exc}")
                 if not training:
                     raise  # the evaluation's caller ends the run
                 self._fail(exc)  # the next prepare_batch raises it

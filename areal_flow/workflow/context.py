@@ -238,8 +238,12 @@ class RolloutContext:
         each call's tokens; `recorded_episode()` makes them the episode. Needs `openai`
         (`pip install 'areal-flow[agents]'`)."""
         import httpx
-        import openai
 
+        try:
+            import openai
+        except ImportError:
+            raise ModuleNotFoundError("ctx.openai_client() needs the openai package: pip install "
+                                      "'areal-flow[agents]'", name="openai") from None
         return openai.AsyncOpenAI(
             api_key=self._register(), base_url="http://areal-flow.invalid/v1", max_retries=0,
             http_client=httpx.AsyncClient(transport=httpx.ASGITransport(app=self._app().app)))
