@@ -377,6 +377,7 @@ def panel_columns(cfg: RLConfig, *, critic: bool, teacher: bool) -> dict[str, st
                         "none") != "none"
     return {"reward/mean": "reward", "task_metrics": "",  # the task's own, e.g. accuracy
             "reward/flat_group_fraction": "flat groups", "response_length/mean": "length",
+            "entropy": "entropy",
             # dynamic sampling: the flat groups drawn and dropped for this step's batch
             **({"rollout/dropped_flat_groups": "dropped flat"}
                if cfg.rollout.filter_flat_groups else {}),
@@ -387,6 +388,33 @@ def panel_columns(cfg: RLConfig, *, critic: bool, teacher: bool) -> dict[str, st
             "reward_runner/failure_rate": "reward fails", "tokens_per_second": "tok/s",
             "perf/mfu": "MFU", "perf/decode_mbu": "decode MBU",
             "staleness/mean": "staleness", "seconds/step": "s/step"}
+
+
+@attrs.define
+class EntropyWatch:
+    """Says once when the policy's entropy (the `entropy` metric of a trained step) falls below
+    `fraction` of its first reading: a collapse, after which completions settle into one form,
+    groups go flat and learning stops (docs/when_a_run_does_not_learn.md)."""
+
+    fraction: float = 0.2
+    first: float | None = None
+    warned: bool = False
+
+    def check(self, metrics: dict[str, Any]) -> str | None:
+        """The warning, the first time this step's entropy is below the bound; else None."""
+        entropy = metrics.get("entropy")
+        if entropy is None or not math.isfinite(entropy):  # a step that trained no row
+            return None
+        if self.first is None:
+            self.first = entropy
+            return None
+        if self.warned or entropy >= self.fraction * self.first:
+            return None
+        self.warned = True
+        return (f"warning: entropy {entropy:.3g} nats, below {self.fraction:.0%} of its first "
+                f"{self.first:.3g}: the policy is collapsing onto one form of answer. Try "
+                "--algorithm.loss.eps-clip-high 0.28, --algorithm.entropy-coef 0.001 or a lower "
+                "--train.optim.lr (docs/when_a_run_does_not_learn.md)")
 
 
 @attrs.frozen

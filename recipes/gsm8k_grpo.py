@@ -109,6 +109,7 @@ def main(cfg: Config) -> None:
             if session.start == 0:
                 session.run.log_metrics(0, rl_recipes.evaluate(cfg, scheduler, eval_rows,
                                                                run=session.run, step=0))
+        entropy = rl_recipes.EntropyWatch()  # says so when the policy collapses
         for step in session.steps():
             began = time.perf_counter()
             # rollout: rank 0 waits for a batch (the others get None)
@@ -157,6 +158,8 @@ def main(cfg: Config) -> None:
                     except Exception as error:  # noqa: BLE001 - e.g. rewards over the limit
                         failure = error
                 samples = rl_recipes.samples(cfg, batch, scheduler)
+                if warning := entropy.check(metrics):
+                    session.display.print(warning)
             # logged; checkpointed when due, on a stop and before a failure ends the run
             session.end_step(step, metrics, samples=samples, failure=failure)
 

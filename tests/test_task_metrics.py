@@ -224,3 +224,14 @@ def test_collate_marks_a_metric_an_episode_did_not_report_as_nan():
     solved = batch["metrics", "solved"]
     assert solved[0].item() == 1.0 and math.isnan(solved[1].item())
     assert solved.dtype == torch.float32
+
+
+def test_the_entropy_watch_warns_once_when_entropy_falls_below_a_fifth_of_its_first():
+    watch = rl_recipes.EntropyWatch()
+    readings = [None, math.nan, 2.0, 1.0, 0.41, 0.39, 0.1, 0.05]  # untrained steps first
+    said = [watch.check({} if e is None else {"entropy": e}) for e in readings]
+    assert [i for i, s in enumerate(said) if s] == [5]  # 0.39 < 0.2 x 2.0; then never again
+    assert said[5].startswith("warning: entropy 0.39 nats, below 20% of its first 2:")
+    assert "--algorithm.loss.eps-clip-high" in said[5]
+    columns = rl_recipes.panel_columns(RLConfig(), critic=False, teacher=False)
+    assert columns["entropy"] == "entropy"
