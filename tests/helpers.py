@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+import pytest
+
+
+def needs(module: str, extra: str):
+    """Skip the test where `module` is not installed, naming the extra that installs it."""
+    return pytest.mark.skipif(importlib.util.find_spec(module) is None,
+                              reason=f"needs {module}: pip install 'areal-flow[{extra}]'")
 
 
 def make_distribution(

@@ -15,7 +15,7 @@ from areal_flow.agents.environment import GymnasiumEnvironment, environment, gym
 from areal_flow.types import SamplingParams, derived_seed
 from areal_flow.workflow.context import RolloutContext
 from areal_flow.agents.env import EnvConfig
-from tests.helpers import ScriptedPool, make_distribution, metrics, run_cli, run_recipe
+from tests.helpers import ScriptedPool, make_distribution, metrics, needs, run_cli, run_recipe
 
 GUESS = "tests.environments_for_tests:GuessNumber-v0"
 
@@ -125,6 +125,7 @@ def test_episodes_that_do_not_terminate_are_truncated(tokenizer, replies, config
     assert episode.truncated
 
 
+@needs("gymnasium", "agents")
 def test_the_gymnasium_guess_game_plays_through_the_adapter(tokenizer):
     episode, segments, _ = play(tokenizer, ["5", "I say 9", "7"], environment="gymnasium",
                                 kwargs={"id": GUESS, "high": 10, "graded": True})
@@ -143,6 +144,7 @@ def test_the_gymnasium_guess_game_plays_through_the_adapter(tokenizer):
         kwargs={"id": GUESS, "high": 10**9})[0].info["env_info"]["target"]  # same seed
 
 
+@needs("gymnasium", "agents")
 def test_the_adapter_refuses_environments_whose_spaces_are_not_text():
     with pytest.raises(TypeError, match="observation_space is Box.*gymnasium.spaces.Text"):
         gymnasium_env("CartPole-v1")
@@ -179,6 +181,7 @@ def test_an_unknown_environment_fails_at_start_with_the_known_names(tiny_model_d
     assert not (tmp_path / "r" / "metrics.jsonl").exists()  # nothing ran
 
 
+@needs("gymnasium", "agents")
 def test_the_guess_game_trains_through_the_generic_recipe(tiny_model_dir, tmp_path):
     rows = tmp_path / "targets.jsonl"
     rows.write_text("".join(json.dumps({"target": t}) + "\n" for t in (3, 7, 12, 18)))

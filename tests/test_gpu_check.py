@@ -6,16 +6,20 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT, needs
 
 
+@needs("peft", "lora")  # one of the check's five tests is LoRA's
 def test_the_cpu_run_of_the_gpu_check_passes_every_part_and_reports_numbers(tmp_path):
     out = tmp_path / "report.json"
     done = subprocess.run(["bash", "scripts/gpu_check.sh", "--cpu", "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          env={**os.environ, "OMP_NUM_THREADS": "1",  # `python` is this one,
+                               "PATH": f"{Path(sys.executable).parent}{os.pathsep}"  # as in an
+                                       f"{os.environ['PATH']}"})  # activated venv
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
     tests = report["tests"]["tests"]

@@ -3,6 +3,7 @@ SGLang-protocol servers; exact resume after kill -9 or SIGTERM; clear errors for
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -17,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import ROOT, assert_finite, metrics, run_recipe, run_recipe_cases
+from tests.helpers import ROOT, assert_finite, metrics, needs, run_recipe, run_recipe_cases
 
 RECIPE = "gsm8k_grpo.py"
 
@@ -289,6 +290,7 @@ def test_a_stopped_run_resumes_exactly_with_sampling(sig, tiny_model_dir, gsm8k_
         assert float((ours[name] - theirs[name]).norm()) <= 1e-3 * float(theirs[name].norm()), name
 
 
+@needs("reasoning_gym", "reasoning-gym")
 def test_the_reasoning_gym_recipe_trains_on_a_task_with_its_verifier(tiny_model_dir, tmp_path):
     """recipes/reasoning_gym_grpo.py: the GRPO loop on reasoning-gym rows, scored by the
     `reasoning_gym` reward, graded strict and lenient, eval on distinct held-out problems."""
@@ -365,6 +367,8 @@ def bad_input(tiny_model_dir, gsm8k_file, tmp_path_factory):
 
 @pytest.mark.parametrize(("extra", "message"), BAD_INPUT_NAMED)
 def test_bad_input_is_named(bad_input, extra, message):
+    if "reasoning_gym:" in " ".join(extra) and importlib.util.find_spec("reasoning_gym") is None:
+        pytest.skip("needs reasoning_gym: pip install 'areal-flow[reasoning-gym]'")
     _, code, output = bad_input(extra)
     assert code != 0
     assert message in output

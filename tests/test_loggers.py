@@ -9,6 +9,7 @@ import pytest
 from areal_flow import registry
 from areal_flow.registry import UnknownNameError
 from areal_flow.run import RunConfig, RunDir, mark_complete
+from tests.helpers import needs
 
 
 def scalars(run_dir, key: str) -> list[tuple[int, float]]:
@@ -35,6 +36,7 @@ def mark_checkpoint(run: RunDir, step: int) -> None:
     mark_complete(run.checkpoint_dir(step))
 
 
+@needs("tensorboard", "trackers")
 def test_tensorboard_gets_every_number_and_a_resume_replaces_the_redone_steps(tmp_path):
     run = RunDir(tmp_path)
     run.start_loggers(["tensorboard"], RunConfig(), step=0)
@@ -52,6 +54,7 @@ def test_tensorboard_gets_every_number_and_a_resume_replaces_the_redone_steps(tm
     assert scalars(tmp_path, "loss") == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]
 
 
+@needs("wandb", "trackers")
 def test_wandb_offline_run_gets_the_metrics_and_a_resume_continues_the_same_run(
         tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")

@@ -20,7 +20,9 @@ from areal_flow.runtime import checkpoint
 from areal_flow.runtime.engine import TrainConfig, TrainEngine
 from areal_flow.types import GenerationRequest, SamplingParams, WeightUpdate
 from tests.dist_train_script import TokenNLL, fixed_batch
-from tests.helpers import metrics, run_recipe
+from tests.helpers import metrics, needs, run_recipe
+
+pytestmark = needs("peft", "lora")
 
 PROMPT = [5, 17, 42, 9, 3, 77]
 NEW_TOKENS = 12

@@ -510,7 +510,7 @@ def test_a_distribution_adds_an_areal_flow_command_and_a_broken_one_is_named(tmp
     flat = " ".join(listing.stdout.replace("│", " ").split())
     assert "greet Say hello to NAME, TIMES times." in flat
     assert "broken (cannot load: No module named 'not_a_real_module_xyz')" in flat
-    assert "plot Plot the metrics.jsonl curves" in flat  # the built-in ones are still there
+    assert "plugins List every registered workflow" in flat  # the built-in ones are still there
     broken = run_cli("broken", paths=(site,), check=False)
     assert broken.returncode == 2
     assert "areal-flow broken: No module named 'not_a_real_module_xyz'" in broken.stderr

@@ -22,7 +22,8 @@ from areal_flow.testing.contract import check_reward
 from areal_flow.testing.strategies import answered
 from areal_flow.types import SamplingParams
 from areal_flow.workflow.context import RolloutContext
-from tests.helpers import ScriptedPool, install_plugin, metrics, plugin_rows, run_cli, run_python, run_recipe
+from tests.helpers import (ScriptedPool, install_plugin, metrics, needs, plugin_rows, run_cli,
+                           run_python, run_recipe)
 
 PLUGIN = Path(__file__).resolve().parents[1] / "examples" / "plugins" / "search_agent"
 
@@ -95,6 +96,7 @@ def test_each_question_is_answered_by_exactly_one_passage(sa):
 # ----------------------------------------------------------------------------------- retriever
 
 
+@needs("bm25s", "agents")  # the example's retriever
 def test_bm25_ranks_the_gold_passage_first_for_the_questions(sa):
     rows = sa.make_rows(264, seed=0)
     first = sum(sa.search(row["question"], 3)[:1] == [row["passage"]] for row in rows)
@@ -233,6 +235,7 @@ def shown(sa, hits: list[int]) -> str:
         f"[{i + 1}] {sa.CORPUS[h]}" for i, h in enumerate(hits)) + "\n</information>\n"
 
 
+@needs("bm25s", "agents")  # the example's retriever
 def test_a_search_then_an_answer(sa, tokenizer, runner):
     row = founded(sa)  # "In which year was the city of Sendskisk founded?"
     city = re.findall(r"of (\w+) founded", row["question"])[0]
@@ -258,6 +261,7 @@ def test_a_search_then_an_answer(sa, tokenizer, runner):
     assert pool.prompts[1] == episode.token_ids[: -len(episode.segments[-1].token_ids)]
 
 
+@needs("bm25s", "agents")  # the example's retriever
 @pytest.mark.parametrize(("replies", "config", "trained", "searches", "retrieved", "reward"), [
     # no search: an answer from the prior (wrong here)
     (["<answer>1500</answer>"], None, [True], 0, 0.0, 0.0),

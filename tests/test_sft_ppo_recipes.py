@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import assert_finite, metrics, run_recipe
+from tests.helpers import assert_finite, metrics, needs, run_recipe
 
 
 def sft_args(model: Path, data: Path, run_dir: Path, *extra: str) -> list[str]:
@@ -29,6 +29,7 @@ def ppo_args(model: Path, data: Path, run_dir: Path, *extra: str) -> list[str]:
             "--train.compile", "off", "--critic.compile", "off", *extra]
 
 
+@needs("tensorboard", "trackers")  # the run logs to it
 def test_sft_lowers_heldout_nll_logs_to_tensorboard_and_keeps_the_newest_checkpoint(
         tiny_model_dir, gsm8k_file, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
