@@ -241,7 +241,9 @@ def load_data(cfg: RLConfig, model: str, rank: int,
     """Rank 0 checks the model's config (`check_model`), the teacher's tokenizer
     (`check_teacher`), reads the train and eval rows and checks they hold the fields the
     workflow's options name (`check_fields`), before any rank loads weights; a bad --model or
-    --dataset fails on every rank with rank 0's error. Other ranks get empty rows."""
+    --dataset fails on every rank with rank 0's error; rank 0 prints a bad input's (a
+    ValueError, OSError or ImportError: a missing file, field or extra) as one line and exits
+    2, as for a bad option. Other ranks get empty rows."""
     rows, error = ([], [], ""), None
     if rank == 0:
         try:
@@ -253,6 +255,8 @@ def load_data(cfg: RLConfig, model: str, rank: int,
         except Exception as exc:  # noqa: BLE001 - raised below, on every rank
             error = exc
     message = same_on_all_ranks(None if error is None else f"{type(error).__name__}: {error}")
+    if isinstance(error, (ValueError, OSError, ImportError)):
+        usage_error(error)  # the user's input: one line, no traceback
     if error is not None:
         raise error
     if message is not None:

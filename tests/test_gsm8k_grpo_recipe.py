@@ -382,6 +382,8 @@ def test_bad_input_is_refused_before_any_weights_load(bad_input, extra, message)
     run_dir, code, output = bad_input(extra)
     assert code != 0
     assert message in output
+    if extra[0] in ("--model", "--dataset"):  # the data and model checks: one line, exit 2
+        assert code == 2 and "Traceback" not in output, output
     assert "Loading weights" not in output  # transformers' progress line when a model loads
     # no config.yaml, metrics.jsonl, ... (run.lock, the live run's lock, stays: see run_lock.py)
     assert not [p for p in run_dir.glob("*.*") if p.name != "run.lock"]
@@ -467,3 +469,21 @@ def test_no_batch_within_the_timeout_fails_after_a_checkpoint(tiny_model_dir, gs
     assert "no batch in 10 s (--rollout.batch-timeout)" in output
     assert max(m["step"] for m in metrics(run_dir)) == 2
     assert (run_dir / "checkpoints" / "step-000002" / "COMPLETE").exists()
+
+
+@pytest.mark.faults
+def test_a_dataset_source_without_its_extra_is_one_line_naming_the_extra(tiny_model_dir,
+                                                                        monkeypatch, capsys):
+    import sys
+
+    from areal_flow import rl_recipes
+
+    monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # `import reasoning_gym` now fails
+    monkeypatch.setattr(rl_recipes, "same_on_all_ranks", lambda value: value)  # one rank
+    cfg = rl_recipes.RLConfig(dataset="reasoning_gym:chain_sum?size=20", eval_size=4)
+    with pytest.raises(SystemExit) as exit_:
+        rl_recipes.load_data(cfg, str(tiny_model_dir), rank=0)
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: --dataset reasoning_gym:... needs the reasoning-gym package: pip install "
+        "'areal-flow[reasoning-gym]'")
