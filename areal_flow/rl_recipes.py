@@ -173,15 +173,14 @@ def cli(config_class: type[C], args: Sequence[str] | None = None) -> C:
         config_class = attrs.frozen(kw_only=True)(
             type(config_class.__name__, (config_class,), namespace))
     workflow = _flag(args, "--workflow")
-    if workflow is None or not {"-h", "--help"} & set(args):
+    try:
         return tyro.cli(config_class, args=args)
-    try:  # --workflow NAME --help: the recipe's options, then the workflow's
-        return tyro.cli(config_class, args=args)
-    finally:  # tyro exits after printing the help
-        try:
-            registry.show_options(registry.workflows, workflow)
-        except registry.RegistryError as error:
-            print(f"--workflow {workflow}: {error}", file=sys.stderr)
+    finally:  # --workflow NAME --help: after the recipe's options (tyro exits), the workflow's
+        if workflow is not None and {"-h", "--help"} & set(args):
+            try:
+                registry.show_options(registry.workflows, workflow)
+            except registry.RegistryError as error:
+                print(f"--workflow {workflow}: {error}", file=sys.stderr)
 
 
 def _flag(args: list[str], flag: str) -> str | None:

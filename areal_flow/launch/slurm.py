@@ -300,8 +300,8 @@ srun --nodes="$TRAIN_NODES" --ntasks="$TRAIN_NODES" --ntasks-per-node=1 \\
 
 
 def command(job: Annotated[SlurmJob, tyro.conf.OmitArgPrefixes, tyro.conf.arg(name="")],
-          out: str | None = None,
-          allocation: Annotated[Allocation | None, cli_arg()] = None) -> int:
+            out: str | None = None,
+            allocation: Annotated[Allocation | None, cli_arg()] = None) -> int:
     """Print (or write with --out) an sbatch script for multi-node training: generation servers
     (SGLang, or areal-flow serve on CPU nodes) on the first server_nodes nodes, torchrun on the
     rest; the training reads the servers from an addresses file they are appended to as they come
@@ -322,7 +322,7 @@ def command(job: Annotated[SlurmJob, tyro.conf.OmitArgPrefixes, tyro.conf.arg(na
                  if getattr(job, name) != defaults[name].default]
         if given:
             say(f"--allocation '{allocation}' already says {', '.join(given)}: give one or "
-                 "the other", error=True)
+                "the other", error=True)
             return 2
         try:
             job = attrs.evolve(job, **slurm_layout(allocation).job_fields())
