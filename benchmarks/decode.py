@@ -12,7 +12,8 @@ its shape), in fp32 and, where the CPU has fast bf16, in bf16:
                     built the engine (as beside a trainer): two OpenMP teams, which libgomp
                     throttles
   engine, X off   — the engine with one optimisation switched off (`kv_slots`, `pack_weights`,
-                    `grouped_attention`, `fused_decode`)
+                    `grouped_attention`, `fused_decode`; "packed siblings": query, key and value,
+                    gate and up packed as separate products, `packed_weights.SIBLINGS` empty)
   ragged prompts  — the engine on prompts of 40 to 60 tokens (left-padded: masked attention),
                     with and without `grouped_attention`
 A step's time is the gap between two engine steps (`on_step`), or two calls of the bare loop;
@@ -35,11 +36,13 @@ import statistics
 import tempfile
 import threading
 import time
+import unittest.mock
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
 
+from areal_flow.inference import packed_weights
 from areal_flow.inference.local import LocalEngine
 from areal_flow.runtime import precision
 from areal_flow.testing.tiny_model import build_tiny_model
@@ -52,6 +55,7 @@ OPTIONS = {"engine": {}, "engine, hosted off": {"hosted": False},
            "engine, fused_decode off": {"fused_decode": False},
            "engine, kv_slots off": {"kv_slots": False},
            "engine, pack_weights off": {"pack_weights": False},
+           "engine, packed siblings off": {"siblings": False},
            "engine, grouped_attention off": {"grouped_attention": False},
            # prompts of 40 to 60 tokens, as an RL batch has: the rows are left-padded, so the
            # attention is masked (equal lengths need no mask)
@@ -96,7 +100,14 @@ def bare(path: Path, dtype: str, batch: int, steps: int) -> list[float]:
 
 
 def engine(path: Path, dtype: str, batch: int, steps: int, ragged: bool = False,
-           hosted: bool = True, **options) -> list[float]:
+           hosted: bool = True, siblings: bool = True, **options) -> list[float]:
+    with unittest.mock.patch.object(packed_weights, "SIBLINGS",
+                                    packed_weights.SIBLINGS if siblings else ()):
+        return engine_steps(path, dtype, batch, steps, ragged, hosted, **options)
+
+
+def engine_steps(path: Path, dtype: str, batch: int, steps: int, ragged: bool, hosted: bool,
+                 **options) -> list[float]:
     engine = LocalEngine(path, dtype=dtype, max_batch_size=batch, **options)
     stamps: list[float] = []
     try:
@@ -151,7 +162,7 @@ def run(quick: bool = False) -> dict:
             for batch in (8, 16):
                 times = {"bare": in_own_thread(bare, path, dtype, batch, steps)}
                 for label, options in OPTIONS.items():
-                    if label.startswith("engine, pack") and dtype != "bfloat16":
+                    if "pack" in label and dtype != "bfloat16":
                         continue  # packing is for bf16 only
                     times[label] = in_own_thread(engine, path, dtype, batch, steps, **options)
                 base = statistics.median(times["bare"])

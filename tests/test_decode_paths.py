@@ -184,6 +184,61 @@ def test_packed_weights_generate_what_plain_ones_do_and_follow_weight_updates(ti
     assert_same_generations(packed, plain)
 
 
+@pytest.mark.skipif(not packed_weights.available(torch.bfloat16, torch.device("cpu")),
+                    reason="this CPU's oneDNN has no bf16 kernels: nothing is packed")
+def test_packed_siblings_give_each_layer_its_own_product_of_the_input_it_was_given():
+    """Query, key and value packed as one product: each layer returns what it alone would, one
+    product serves all three calls on one input, a call on another input never gets the last
+    input's product, and no product stays held once every layer has taken its slice."""
+    g = torch.Generator().manual_seed(0)
+    layers = [torch.nn.Linear(48, n, bias=True, dtype=torch.bfloat16) for n in (48, 16, 16)]
+    with torch.no_grad():
+        for layer in layers:
+            layer.weight.copy_(torch.randn(layer.weight.shape, generator=g) * 0.1)
+            layer.bias.copy_(torch.randn(layer.bias.shape, generator=g))
+    attention = torch.nn.Module()
+    attention.q_proj, attention.k_proj, attention.v_proj = layers
+    assert packed_weights.pack(attention) == 3
+    together = packed_weights.siblings(attention)
+    products = []
+    real = together._forward
+    together._forward = lambda x: products.append(x) or real(x)
+
+    def alone(layer, x):
+        return torch.nn.functional.linear(x, layer.weight, layer.bias)
+
+    with torch.no_grad():
+        for rows in (1, 8):  # decode's row counts: bit for bit
+            x, other = (torch.randn(rows, 1, 48, generator=g).bfloat16() for _ in range(2))
+            products.clear()
+            for layer in layers:
+                assert torch.equal(layer(x), alone(layer, x))
+            assert len(products) == 1  # one product for the three
+            assert together._product is None  # dropped once every layer took its slice
+            q = layers[0](x)
+            k = layers[1](other)  # another input while q's product is held
+            assert torch.equal(k, alone(layers[1], other))
+            assert torch.equal(q, alone(layers[0], x))
+        q, k, v = together.parts(x)
+        assert torch.equal(torch.cat([q, k, v], -1), together.product(x))
+        assert torch.equal(v, alone(layers[2], x))
+    packed_weights.unpack(attention)
+    assert packed_weights.siblings(attention) is None
+    assert not any("forward" in layer.__dict__ for layer in layers)
+
+
+@pytest.mark.skipif(not packed_weights.available(torch.bfloat16, torch.device("cpu")),
+                    reason="this CPU's oneDNN has no bf16 kernels: nothing is packed")
+def test_a_bf16_engine_packs_each_layers_siblings_together(tiny_model_dir):
+    engine = LocalEngine(tiny_model_dir, dtype="bfloat16")
+    try:
+        for layer in engine.model.model.layers:
+            assert packed_weights.siblings(layer.self_attn) is not None
+            assert packed_weights.siblings(layer.mlp) is not None
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_fused_decode_step_generates_what_transformers_forward_does(tiny_model_dir, dtype):
     """Bit for bit: the same tokens and the same log-probs, through rows of two prompt lengths

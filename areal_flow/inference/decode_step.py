@@ -25,6 +25,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from areal_flow.inference import packed_weights
+
 DEVICES = {"cpu"}
 
 
@@ -83,19 +85,28 @@ class DecodeStep:
         rows, attn, mlp = hidden.shape[0], layer.self_attn, layer.mlp
         x = _rms_norm(layer.input_layernorm, hidden)
         # queries and keys side by side (rows, 1, heads + kv heads, head_dim): one rotation
-        qk = torch.cat([attn.q_proj.forward(x), attn.k_proj.forward(x)], dim=-1)
+        width = (self._heads + self._kv_heads) * self._head_dim
+        if (together := packed_weights.siblings(attn)) is not None:  # one product: q | k | v
+            qkv = together.product(x)
+            qk, v = qkv[..., :width], qkv[..., width:]
+        else:
+            qk = torch.cat([attn.q_proj.forward(x), attn.k_proj.forward(x)], dim=-1)
+            v = attn.v_proj.forward(x)
         qk = qk.view(rows, 1, self._heads + self._kv_heads, self._head_dim)
         qk = qk * cos + _rotate_half(qk) * sin
         q = qk[:, :, :self._heads].transpose(1, 2)
         k = qk[:, :, self._heads:].transpose(1, 2)
-        v = attn.v_proj.forward(x).view(rows, 1, self._kv_heads, self._head_dim).transpose(1, 2)
+        v = v.view(rows, 1, self._kv_heads, self._head_dim).transpose(1, 2)
         k, v = kv.update(k, v)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=attend, scale=self._scaling,
                                              enable_gqa=self._kv_heads != self._heads)
         hidden = hidden + attn.o_proj.forward(out.transpose(1, 2).reshape(rows, 1, -1))
         x = _rms_norm(layer.post_attention_layernorm, hidden)
-        return hidden + mlp.down_proj.forward(F.silu(mlp.gate_proj.forward(x))
-                                              * mlp.up_proj.forward(x))
+        if (together := packed_weights.siblings(mlp)) is not None:  # one product: gate | up
+            gate, up = together.parts(x)
+        else:
+            gate, up = mlp.gate_proj.forward(x), mlp.up_proj.forward(x)
+        return hidden + mlp.down_proj.forward(F.silu(gate) * up)
 
 
 def _rms_norm(norm: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
