@@ -163,7 +163,7 @@ def cli(config_class: type[C], args: Sequence[str] | None = None) -> C:
         try:
             options = registry.algorithms.spec(name).config
         except registry.RegistryError as error:
-            raise SystemExit(f"--algorithm {name}: {error}") from None
+            usage_error(f"--algorithm {name}: {error}")
         described = Annotated[options, tyro.conf.arg(
             help=f"Options of algorithm {name} ({getattr(options, '__name__', 'none')}).")]
         namespace = {"__annotations__": {"algorithm": described},
@@ -194,11 +194,21 @@ def _flag(args: list[str], flag: str) -> str | None:
     return found
 
 
-def usage_error(error: Exception) -> NoReturn:
+def usage_error(error: Exception | str) -> NoReturn:
     """Exit 2, as tyro does for a bad option, with the message alone (no traceback)."""
     if int(os.environ.get("RANK", 0)) == 0:  # not once per torchrun rank
         print(f"error: {error}", file=sys.stderr)
     raise SystemExit(2)
+
+
+def checked(cfg: RLConfig) -> tuple[Any, Any]:
+    """The workflow's config (`workflow_config`) and the algorithm (`algorithm`), before any
+    work; a bad name, file or value among their options is the user's input: one line and
+    exit 2 (`usage_error`), as for a bad option."""
+    try:
+        return workflow_config(cfg), algorithm(cfg)
+    except (ValueError, OSError, registry.RegistryError) as error:
+        usage_error(error)
 
 
 def algorithm(cfg: RLConfig) -> Any:

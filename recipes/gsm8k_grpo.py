@@ -47,8 +47,8 @@ class Config(rl_recipes.RLConfig):
 
 
 def main(cfg: Config) -> None:
-    workflow_config = rl_recipes.workflow_config(cfg)  # bad names fail before any work
-    algorithm = rl_recipes.algorithm(cfg)  # e.g. GRPO(cfg.algorithm)
+    # e.g. RLVRConfig and GRPO(cfg.algorithm); a bad name or value fails before any work
+    workflow_config, algorithm = rl_recipes.checked(cfg)
     pool_class = registry.generation_pools.get(cfg.inference.backend)
     if cfg.dry_run or cfg.allocation is not None:  # launch's part
         from areal_flow.launch import recipe as launch
