@@ -106,14 +106,32 @@ def tagged(completion: str, *, answer: str) -> float:
 
 
 def test_an_answer_strategy_reaches_the_main_path_where_the_bug_is():
+    """Fixed seeds: a random search failed this test once in many runs, and which of its
+    checks failed was lost."""
     # hostile text alone never writes <answer> tags: the bug stays hidden
-    assert check_reward(spec(tagged_buggy), max_examples=100).ok
-    report = check_reward(spec(tagged_buggy), max_examples=200,
+    assert check_reward(spec(tagged_buggy), max_examples=100, seed=0).ok
+    report = check_reward(spec(tagged_buggy), max_examples=200, seed=0,
                           examples=answered(syntaxes=("answer_tag",)))
     assert not report.ok
     assert "property 'never raises'" in report.failure and "ValueError" in report.failure
-    fixed = check_reward(spec(tagged), max_examples=200, examples=answered(("answer_tag",)))
+    fixed = check_reward(spec(tagged), max_examples=200, examples=answered(("answer_tag",)),
+                         seed=0)
     assert fixed.ok, fixed.summary()
+
+
+def test_a_seed_draws_the_same_examples_every_run():
+    def drawn(seed):
+        seen = []
+
+        def recording(completion: str) -> float:
+            seen.append(completion)
+            return 0.0
+
+        assert check_reward(spec(recording), max_examples=30, seed=seed).ok
+        return seen
+
+    assert drawn(3) == drawn(3)
+    assert drawn(3) != drawn(4)
 
 
 @given(answered())

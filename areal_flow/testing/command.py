@@ -13,6 +13,7 @@ def command(
     answers: tuple[Literal["####", "boxed", "answer_tag", "json"], ...] = (),
     answer_field: str = "answer",
     examples: str | None = None,
+    seed: int | None = None,
 ) -> int:
     """Run the reward contract on a registered reward: never raises on arbitrary text, returns
     a finite number within its declared range, deterministic, returns within its timeout; its
@@ -28,6 +29,7 @@ def command(
             parameter name, e.g. target).
         examples: A 'package.module:name' of your own hypothesis strategy of
             (completion, kwargs) pairs.
+        seed: Draw the same examples every run (default: new ones each run).
     """
     from rich.console import Console
 
@@ -42,7 +44,8 @@ def command(
     try:
         strategy = answered(answers, answer_field=answer_field) if answers else \
             _attribute(examples) if examples else None
-        report = run_contract(name, max_examples=max_examples, examples=strategy)
+        report = run_contract(name, max_examples=max_examples, examples=strategy,
+                              seed=seed)
     except (RegistryError, ImportError, AttributeError) as exc:
         console.print(f"[red]{exc}[/]")
         return 2

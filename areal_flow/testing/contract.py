@@ -26,6 +26,7 @@ import anyio
 import attrs
 try:
     from hypothesis import HealthCheck, given, settings
+    from hypothesis import seed as fixed_seed
     from hypothesis import strategies as st
 except ImportError:
     raise ModuleNotFoundError("the reward contract kit generates its cases with hypothesis: pip "
@@ -112,10 +113,13 @@ def _call(fn: Any, timeout: float, completion: str, kwargs: dict[str, Any]) -> A
 
 def check_reward(reward: str | RewardSpec, *, max_examples: int = 200,
                  examples: st.SearchStrategy[tuple[str, dict[str, Any]]] | None = None,
-                 ) -> ContractReport:
+                 seed: int | None = None) -> ContractReport:
     """Run the reward contract on a registered name or a spec and report the outcome.
     `examples` draws ``(completion, kwargs)`` pairs (default: hostile text, and kwargs from the
-    reward's signature); the failure names the property and the smallest example found."""
+    reward's signature); the failure names the property and the smallest example found.
+    `seed`: None draws new examples each run (more of the space over many runs); a
+    number draws the same ones every run (a CI check that cannot flicker, a failure to
+    reproduce)."""
     spec = rewards.spec(reward) if isinstance(reward, str) else reward
     lo, hi = spec.range
     seen: dict[str, Any] = {"examples": 0, "slowest": 0.0, "timed_out": None}
@@ -182,6 +186,8 @@ def check_reward(reward: str | RewardSpec, *, max_examples: int = 200,
                     f"property 'deterministic': metrics of {spec.name}({completion!r}, "
                     f"**{kwargs!r}) returned {first!r} then {second!r}")
 
+    if seed is not None:
+        contract = fixed_seed(seed)(contract)
     failure = None
     try:
         contract()
@@ -195,9 +201,10 @@ def check_reward(reward: str | RewardSpec, *, max_examples: int = 200,
 
 def assert_reward_contract(reward: str | RewardSpec, *, max_examples: int = 200,
                            examples: st.SearchStrategy[tuple[str, dict[str, Any]]] | None = None,
-                           ) -> ContractReport:
+                           seed: int | None = None) -> ContractReport:
     """`check_reward`, raising `ContractViolation` with the smallest failing example."""
-    report = check_reward(reward, max_examples=max_examples, examples=examples)
+    report = check_reward(reward, max_examples=max_examples, examples=examples,
+                          seed=seed)
     if not report.ok:
         raise ContractViolation(report.summary())
     return report
