@@ -28,8 +28,8 @@ from common import machine_limits, machine_line  # noqa: E402
 ROOT = HERE.parent
 BENCH_PYTHON = ROOT / ".venv-bench" / "bin" / "python"
 # cheapest first, so a broken environment shows up early
-MODULES = ("scheduler", "engine", "decode", "training", "train_step", "lora_sync", "async_sync",
-           "overlap", "trl_grpo")
+MODULES = ("scheduler", "engine", "decode", "kv_keep", "training", "train_step", "lora_sync",
+           "async_sync", "overlap", "trl_grpo")
 
 
 def bench_python() -> Path:

@@ -21,6 +21,11 @@ from transformers.cache_utils import DynamicLayer
 GROW = 64
 """Columns of room added beyond what a slot layer needs when it grows (it at least doubles)."""
 
+TRIM_AT = 0.25
+"""`KVBatch.keep` copies the kept rows without the padding columns none of them needs once those
+are at least this fraction of the columns; below, slot layers keep the rows in place (0: always
+copy, as before in-place keeps, for comparisons: benchmarks/kv_keep.py)."""
+
 
 class SlotLayer(DynamicLayer):
     """A `DynamicLayer` whose keys and values are views of larger buffers: appending columns
@@ -48,6 +53,20 @@ class SlotLayer(DynamicLayer):
             keys[:, :, :old] = self.keys
             values[:, :, :old] = self.values
         self._room_keys, self._room_values = keys, values
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """Keep only `rows` (ascending), in place: each kept row moves down to its new index in
+        the same buffers (a row only ever moves to a lower index, so none is overwritten before
+        it is read); nothing is allocated, and rows before the first dropped one stay put."""
+        moved = [(new, old) for new, old in enumerate(rows) if new != old]
+        length = self.get_seq_length()
+        if moved:
+            to, source = (torch.tensor(side, device=self.keys.device) for side in zip(*moved))
+            for room in (self._room_keys, self._room_values):
+                room[to, :, :length] = room[source, :, :length]
+        self._room_keys, self._room_values = self._room_keys[:len(rows)], \
+            self._room_values[:len(rows)]
+        self.keys, self.values = self._room_keys[:, :, :length], self._room_values[:, :, :length]
 
 
 class KVBatch:
@@ -108,15 +127,25 @@ class KVBatch:
         self.mask = torch.cat([left_pad(self.mask, 1), left_pad(mask, 1)])
 
     def keep(self, rows: list[int]) -> None:
-        """Keep only `rows`, and drop the padding columns none of them needs. Slot layers are
-        copied one at a time, each replacing its old one: the batch's whole cache is never
-        held twice (at 64 rows of 330 tokens it is 0.5 GB of bf16 SmolLM2 keys and values,
-        copied whenever a row finishes)."""
+        """Keep only `rows` (ascending). Slot layers keep them in place (`SlotLayer.keep_rows`:
+        a finished row costs moving the rows after it, not a copy of the batch's whole cache:
+        at 64 rows of 330 tokens that is 0.5 GB of bf16 SmolLM2 keys and values, and rows
+        finish one by one); the padding columns none of the kept rows needs stay, masked,
+        unless they are `TRIM_AT` of the columns or more: then, as without slots, the rows
+        are copied without them, one layer at a time, each replacing its old one (the whole
+        cache is never held twice)."""
         if not rows:
             self.clear()
             return
         start = int(self.mask[rows].any(0).nonzero()[0])
-        if not all(type(layer) is SlotLayer for layer in self.cache.layers):
+        slots = all(type(layer) is SlotLayer for layer in self.cache.layers)
+        if slots and start < TRIM_AT * self.mask.shape[1]:
+            with torch.inference_mode():  # an abort keeps rows outside the step's inference mode
+                for layer in self.cache.layers:
+                    layer.keep_rows(rows)
+            self.mask = self.mask.index_select(0, torch.tensor(rows, device=self.mask.device))
+            return
+        if not slots:
             self.cache, self.mask = self.rows(self.cache, self.mask, rows, start)
             return
         index = torch.tensor(rows, device=self.mask.device)
