@@ -54,18 +54,15 @@ class SlotLayer(DynamicLayer):
             values[:, :, :old] = self.values
         self._room_keys, self._room_values = keys, values
 
-    def keep_rows(self, rows: list[int]) -> None:
-        """Keep only `rows` (ascending), in place: each kept row moves down to its new index in
-        the same buffers (a row only ever moves to a lower index, so none is overwritten before
-        it is read); nothing is allocated, and rows before the first dropped one stay put."""
-        moved = [(new, old) for new, old in enumerate(rows) if new != old]
+    def keep_rows(self, to: torch.Tensor, source: torch.Tensor, kept: int) -> None:
+        """Keep the first `kept` rows after moving rows `source` to `to`, in place (ascending
+        indices, each row to a lower one, so none is overwritten before it is read): nothing
+        is allocated, and rows before the first dropped one stay put."""
         length = self.get_seq_length()
-        if moved:
-            to, source = (torch.tensor(side, device=self.keys.device) for side in zip(*moved))
+        if len(to):
             for room in (self._room_keys, self._room_values):
                 room[to, :, :length] = room[source, :, :length]
-        self._room_keys, self._room_values = self._room_keys[:len(rows)], \
-            self._room_values[:len(rows)]
+        self._room_keys, self._room_values = self._room_keys[:kept], self._room_values[:kept]
         self.keys, self.values = self._room_keys[:, :, :length], self._room_values[:, :, :length]
 
 
@@ -140,9 +137,13 @@ class KVBatch:
         start = int(self.mask[rows].any(0).nonzero()[0])
         slots = all(type(layer) is SlotLayer for layer in self.cache.layers)
         if slots and start < TRIM_AT * self.mask.shape[1]:
+            # each kept row to its new index, once for every layer
+            moved = [(new, old) for new, old in enumerate(rows) if new != old]
+            to, source = (torch.tensor([pair[side] for pair in moved], dtype=torch.long,
+                                       device=self.mask.device) for side in (0, 1))
             with torch.inference_mode():  # an abort keeps rows outside the step's inference mode
                 for layer in self.cache.layers:
-                    layer.keep_rows(rows)
+                    layer.keep_rows(to, source, len(rows))
             self.mask = self.mask.index_select(0, torch.tensor(rows, device=self.mask.device))
             return
         if not slots:
