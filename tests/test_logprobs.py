@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from areal_flow.runtime import logprobs
+from areal_flow.runtime import compiled_layers, logprobs
 from areal_flow.runtime.layout import PackedRows
 from areal_flow.runtime.logprobs import LossPositions, loss_position_head
 
@@ -174,15 +174,53 @@ def test_no_loss_position_gives_empty_outputs_still_in_the_graph(entropy_mode):
     assert hidden.grad is not None and not hidden.grad.any()
 
 
-def test_each_chunk_is_recomputed_in_backward_rather_than_kept(monkeypatch):
-    monkeypatch.setattr(logprobs, "CHUNK_ELEMENTS", 7)  # one position per chunk
-    calls = []
-    chunk = logprobs._chunk
-    monkeypatch.setattr(logprobs, "_chunk", lambda *args: calls.append(1) or chunk(*args))
+@pytest.mark.parametrize("entropy_mode", ["none", "metric", "grad"])
+def test_backward_keeps_no_logits_and_recomputes_them(entropy_mode):
+    """What the forward saves for backward is the head's inputs and a number per position,
+    never a [positions, vocab] tensor: the logits are recomputed in backward."""
+    vocab = 11
     layout, where = two_rows()
-    head = torch.nn.Linear(4, 7)
+    head = torch.nn.Linear(4, vocab)
     hidden = torch.randn(1, 5, 4, requires_grad=True)
-    token, _ = logprobs.head_at_positions(head, hidden, where, "none")
-    assert len(calls) == 3
-    token.sum().backward()
-    assert len(calls) == 6  # the backward pass ran each chunk again
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t,
+                                                  lambda t: t):
+        token, entropy = logprobs.head_at_positions(head, hidden, where, entropy_mode)
+    assert saved and not [s for s in saved if len(s) == 2 and s[-1] == vocab]
+    linears = []
+    forward = torch.nn.functional.linear
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(torch.nn.functional, "linear", lambda *a: linears.append(1) or forward(*a))
+        (token.sum() + (entropy.sum() if entropy_mode == "grad" else 0)).backward()
+    assert linears == [1] and hidden.grad.abs().sum() > 0
+
+
+@pytest.mark.skipif(compiled_layers.cpu_compiler() is None, reason="inductor needs a C++ compiler")
+@pytest.mark.parametrize(("dtype", "entropy_mode"), [(torch.float32, "grad"),
+                                                     (torch.bfloat16, "metric")])
+def test_the_compiled_head_equals_the_categorical_distribution(dtype, entropy_mode):
+    """`TrainConfig.compile`'s kernels: log-probs, entropies and the gradients of the hidden
+    states, the weight and the bias against torch.distributions' Categorical in fp64."""
+    torch.manual_seed(0)
+    vocab, n = 50, 9
+    head = torch.nn.Linear(16, vocab).to(dtype)
+    hidden = torch.randn(1, n + 1, 16, dtype=dtype, requires_grad=True)
+    ids = torch.randint(0, vocab, (1, n + 1))
+    mask = torch.ones(1, n + 1, dtype=torch.bool)
+    where = LossPositions.of(PackedRows.of(ids, mask), mask, torch.tensor([0.7]))
+    a, b = torch.randn(n), torch.randn(n)
+    token, entropy = logprobs.head_at_positions(head, hidden, where, entropy_mode,
+                                                compiled=True)
+    (token * a).sum().add((entropy * b).sum() if entropy_mode == "grad" else 0).backward()
+    got = [token.detach(), entropy.detach(), hidden.grad, head.weight.grad, head.bias.grad]
+
+    h = hidden.detach().double().requires_grad_()
+    w, bias = (t.detach().double().requires_grad_() for t in (head.weight, head.bias))
+    dist = torch.distributions.Categorical(logits=(h[0, :-1] @ w.t() + bias) / 0.7)
+    ref_token, ref_entropy = dist.log_prob(ids[0, 1:]), dist.entropy()
+    (ref_token * a.double()).sum().add(
+        (ref_entropy * b.double()).sum() if entropy_mode == "grad" else 0).backward()
+    expected = [ref_token, ref_entropy, h.grad, w.grad, bias.grad]
+    tol = 1e-5 if dtype is torch.float32 else 3e-2
+    for name, g, e in zip(["token", "entropy", "hidden", "weight", "bias"], got, expected):
+        torch.testing.assert_close(g.double(), e, atol=tol, rtol=tol, msg=name)

@@ -4,9 +4,13 @@ A causal LM's head over the whole vocabulary at every position is most of a smal
 training memory: one [rows, length, vocab] fp32 tensor of SmolLM2's 49,152 tokens is ~1 GB for
 16 rows of 300 tokens, and log-softmax, exp and their gradients each make another. Most of those
 positions are prompt tokens no loss reads. So the head runs only at the positions of the loss
-mask, on the hidden states gathered there, in chunks of tokens; each chunk is recomputed in
-backward (activation checkpointing) instead of keeping its logits, so at most one chunk's
-[tokens, vocab] tensors exist at a time.
+mask, on the hidden states gathered there, in chunks of tokens; each chunk's logits are
+recomputed in backward instead of kept, so at most one chunk's [tokens, vocab] tensors exist at a
+time. The log-softmax, the entropy and their gradient are written out (`token_stats`,
+`logits_grad`) rather than left to autograd: autograd's chain (cast, divide, log-softmax, exp,
+product, and each one's backward) is a pass over the logits and a [tokens, vocab] temporary per
+operation, 0.8 s of a 5.9 s SmolLM2 step in bf16; compiled (`TrainConfig.compile`), each is one
+loop.
 
 The head still runs inside the model's own forward (its `lm_head` is swapped for the duration of
 one call): FSDP2 gathers the root module's parameters, the tied embedding included, only there.
@@ -15,13 +19,13 @@ one call): FSDP2 gathers the root module's parameters, the tied embedding includ
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Literal
 
 import attrs
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from areal_flow.runtime.layout import PackedRows
 
@@ -63,30 +67,91 @@ class LossPositions:
         return zeros.index_put((self.rows, self.cols), values)
 
 
+def token_stats(logits: torch.Tensor, temperature: torch.Tensor, targets: torch.Tensor,
+                entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """[tokens] log-probs of `targets` under `logits` / `temperature` (fp32), their entropies
+    (if `entropy`), and the log-normalisers the gradient needs."""
+    z = logits.float() / temperature[:, None]
+    lse = torch.logsumexp(z, -1)
+    token = z.gather(-1, targets[:, None]).squeeze(-1) - lse
+    # H = -sum p log p = lse - sum p z
+    ent = lse - (torch.exp(z - lse[:, None]) * z).sum(-1) if entropy else None
+    return token, ent, lse
+
+
+def logits_grad(logits: torch.Tensor, temperature: torch.Tensor, targets: torch.Tensor,
+                lse: torch.Tensor, ent: torch.Tensor | None, g_token: torch.Tensor,
+                g_ent: torch.Tensor | None) -> torch.Tensor:
+    """The gradient of a loss at `logits` (in their dtype) from its gradients at `token_stats`'s
+    log-probs and entropies: d log p_y / dz = onehot(y) - p, dH / dz = -p (log p + H)."""
+    z = logits.float() / temperature[:, None]
+    logp = z - lse[:, None]
+    p = torch.exp(logp)
+    hit = torch.arange(z.shape[-1], device=z.device) == targets[:, None]
+    g = g_token[:, None] * (hit.to(z.dtype) - p)
+    if g_ent is not None:
+        g = g - g_ent[:, None] * p * (logp + ent[:, None])
+    return (g / temperature[:, None]).to(logits.dtype)
+
+
+@functools.cache
+def _compiled() -> tuple:
+    """`token_stats` and `logits_grad` compiled (inductor): each one loop over the logits
+    instead of a pass and a [tokens, vocab] temporary per operation (benchmarks/train_step.py,
+    "compile"); dynamic shapes, one graph for any chunk and vocabulary."""
+    return torch.compile(token_stats, dynamic=True), torch.compile(logits_grad, dynamic=True)
+
+
+class _Head(torch.autograd.Function):
+    """The head's log-probs (and entropies) of one chunk of positions, the logits recomputed in
+    backward rather than kept: the backward holds the chunk's logits and their gradient, in the
+    logits' dtype, and no fp32 [tokens, vocab] tensor beside them (compiled)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, entropy: bool, compiled: bool):
+        stats, _ = _compiled() if compiled else (token_stats, logits_grad)
+        token, ent, lse = stats(F.linear(hidden, weight, bias), temperature, targets, entropy)
+        ctx.save_for_backward(hidden, weight, bias, targets, temperature, lse, ent)
+        ctx.compiled = compiled
+        ctx.set_materialize_grads(False)
+        return token, ent
+
+    @staticmethod
+    def backward(ctx, g_token, g_ent):
+        hidden, weight, bias, targets, temperature, lse, ent = ctx.saved_tensors
+        _, grad = _compiled() if ctx.compiled else (token_stats, logits_grad)
+        if g_token is None:
+            g_token = torch.zeros_like(lse)
+        g = grad(F.linear(hidden, weight, bias), temperature, targets, lse, ent, g_token, g_ent)
+        needs = ctx.needs_input_grad
+        return (g @ weight if needs[0] else None, g.t() @ hidden if needs[1] else None,
+                g.sum(0) if bias is not None and needs[2] else None,
+                None, None, None, None)
+
+
 def _chunk(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           targets: torch.Tensor, temperature: torch.Tensor,
-           entropy: EntropyMode) -> tuple[torch.Tensor, torch.Tensor | None]:
-    logp = torch.log_softmax(F.linear(hidden, weight, bias).float() / temperature[:, None], -1)
-    token = logp.gather(-1, targets[:, None]).squeeze(-1)
-    if entropy == "none":
-        return token, None
-    with torch.set_grad_enabled(entropy == "grad" and torch.is_grad_enabled()):
-        return token, -(logp.exp() * logp).sum(-1)
+           targets: torch.Tensor, temperature: torch.Tensor, entropy: EntropyMode,
+           compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    token, ent = _Head.apply(hidden, weight, bias, targets, temperature, entropy != "none",
+                             compiled)
+    if ent is not None and entropy != "grad":
+        ent = ent.detach()
+    return token, ent
 
 
 def head_at_positions(head: torch.nn.Linear, hidden: torch.Tensor, where: LossPositions,
-                      entropy: EntropyMode) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      entropy: EntropyMode, compiled: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[positions] token log-probs (and entropies) of `head` applied to the packed `hidden`
-    [1, tokens, hidden] at `where`, chunked; checkpointed when gradients are on."""
+    [1, tokens, hidden] at `where`, in chunks, each one's logits recomputed in backward;
+    `compiled`: with the compiled kernels (`TrainConfig.compile`)."""
     states = hidden.flatten(0, 1)[where.states]
     step = max(1, CHUNK_ELEMENTS // head.weight.shape[0])
     tokens, entropies = [], []
     for start in range(0, len(states), step):
         part = slice(start, start + step)
-        args = (states[part], head.weight, head.bias, where.targets[part],
-                where.temperature[part], entropy)
-        token, ent = checkpoint(_chunk, *args, use_reentrant=False) \
-            if torch.is_grad_enabled() else _chunk(*args)
+        token, ent = _chunk(states[part], head.weight, head.bias, where.targets[part],
+                            where.temperature[part], entropy, compiled)
         tokens.append(token)
         entropies.append(ent)
     if not tokens:  # no loss position: still a graph through every layer, for FSDP's hooks
@@ -97,15 +162,16 @@ def head_at_positions(head: torch.nn.Linear, hidden: torch.Tensor, where: LossPo
 
 @contextlib.contextmanager
 def loss_position_head(model: torch.nn.Module, where: LossPositions,
-                       entropy: EntropyMode) -> Iterator[dict]:
+                       entropy: EntropyMode, compiled: bool = False) -> Iterator[dict]:
     """Within the block, `model(...)` returns as `.logits` the [positions] token log-probs of
     `where` (or [positions, 2] with the entropy when `entropy == "grad"`), and the returned dict
-    gets the no-gradient entropy under "entropy" when `entropy == "metric"`."""
+    gets the no-gradient entropy under "entropy" when `entropy == "metric"`. `compiled`: the
+    head's element-wise work compiled (`TrainConfig.compile`)."""
     head = model.get_output_embeddings()
     extra: dict = {}
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
-        token, ent = head_at_positions(head, hidden, where, entropy)
+        token, ent = head_at_positions(head, hidden, where, entropy, compiled)
         if entropy == "grad":
             return torch.stack([token, ent], -1)
         extra["entropy"] = ent
