@@ -70,12 +70,14 @@ class LossPositions:
 def token_stats(logits: torch.Tensor, temperature: torch.Tensor, targets: torch.Tensor,
                 entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """[tokens] log-probs of `targets` under `logits` / `temperature` (fp32), their entropies
-    (if `entropy`), and the log-normalisers the gradient needs."""
-    z = logits.float() / temperature[:, None]
+    (if `entropy`), and the log-normalisers the gradient needs. Consumes `logits` (fp32 ones
+    are overwritten): in place, so that eagerly at most two fp32 [tokens, vocab] temporaries
+    exist."""
+    z = logits.float().div_(temperature[:, None])
     lse = torch.logsumexp(z, -1)
     token = z.gather(-1, targets[:, None]).squeeze(-1) - lse
     # H = -sum p log p = lse - sum p z
-    ent = lse - (torch.exp(z - lse[:, None]) * z).sum(-1) if entropy else None
+    ent = lse - (z - lse[:, None]).exp_().mul_(z).sum(-1) if entropy else None
     return token, ent, lse
 
 
@@ -83,15 +85,15 @@ def logits_grad(logits: torch.Tensor, temperature: torch.Tensor, targets: torch.
                 lse: torch.Tensor, ent: torch.Tensor | None, g_token: torch.Tensor,
                 g_ent: torch.Tensor | None) -> torch.Tensor:
     """The gradient of a loss at `logits` (in their dtype) from its gradients at `token_stats`'s
-    log-probs and entropies: d log p_y / dz = onehot(y) - p, dH / dz = -p (log p + H)."""
-    z = logits.float() / temperature[:, None]
-    logp = z - lse[:, None]
-    p = torch.exp(logp)
-    hit = torch.arange(z.shape[-1], device=z.device) == targets[:, None]
-    g = g_token[:, None] * (hit.to(z.dtype) - p)
-    if g_ent is not None:
-        g = g - g_ent[:, None] * p * (logp + ent[:, None])
-    return (g / temperature[:, None]).to(logits.dtype)
+    log-probs and entropies: d log p_y / dz = onehot(y) - p, dH / dz = -p (log p + H).
+    Consumes `logits`, as `token_stats` does."""
+    logp = logits.float().div_(temperature[:, None]).sub_(lse[:, None])
+    p = logp.exp()
+    g = p.mul_(-g_token[:, None]) if g_ent is None else \
+        logp.add_(ent[:, None]).mul_(-g_ent[:, None]).sub_(g_token[:, None]).mul_(p)
+    g.index_put_((torch.arange(len(targets), device=g.device), targets), g_token,
+                 accumulate=True)
+    return g.div_(temperature[:, None]).to(logits.dtype)
 
 
 @functools.cache
