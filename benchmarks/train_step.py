@@ -11,7 +11,8 @@ memory is its own:
                    position (entropy everywhere), every row, foreach AdamW, glibc's default
                    mmap threshold, one 8,192-token micro-batch attending through the mask
   defaults         the RL recipes': log-probs only at the loss positions, chunked and
-                   recomputed in backward; no forward/backward for rows whose advantages are all
+                   recomputed in backward, their log-softmax, entropy and gradient written out
+                   in place (`logprobs.py`; off: autograd's chain under checkpointing); no forward/backward for rows whose advantages are all
                    zero; fused AdamW; freed tensors returned to the OS; rows packed end to end
                    (no padding; off: right-padded rows, micro-batches of length-sorted rows
                    under rows x longest <= the budget) into packs of up to 4,096 tokens, each
@@ -40,8 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import main, markdown_table  # noqa: E402
 
-SAVINGS = ["loss positions", "skip flat rows", "fused AdamW", "freed memory", "packing",
-           "row attention", "compile"]
+SAVINGS = ["loss positions", "written-out head", "skip flat rows", "fused AdamW",
+           "freed memory", "packing", "row attention", "compile"]
 CONFIGS = {  # name -> (savings on, tokens per micro-batch)
     "before": (set(), 8192),
     "defaults": (set(SAVINGS), 4096),
@@ -135,6 +136,22 @@ def one(model: str, name: str, steps: int) -> dict:
     if "packing" not in on:
         engine_module.PackedRows = PaddedRows
         engine_module.micro_batches = padded_micro_batches
+    if "written-out head" not in on:
+        from torch.utils.checkpoint import checkpoint
+
+        from areal_flow.runtime import logprobs
+
+        def autograd_chain(hidden, weight, bias, targets, temperature, entropy):
+            def chunk(hidden, weight, bias):
+                logits = torch.nn.functional.linear(hidden, weight, bias).float()
+                logp = torch.log_softmax(logits / temperature[:, None], -1)
+                token = logp.gather(-1, targets[:, None]).squeeze(-1)
+                with torch.set_grad_enabled(entropy == "grad" and torch.is_grad_enabled()):
+                    return token, -(logp.exp() * logp).sum(-1)
+            return checkpoint(chunk, hidden, weight, bias, use_reentrant=False) \
+                if torch.is_grad_enabled() else chunk(hidden, weight, bias)
+
+        logprobs._chunk = autograd_chain
     if "freed memory" not in on:
         engine_module._return_freed_memory = lambda: None
     engine = (TrainEngine if "loss positions" in on else FullHead)(model, TrainConfig(

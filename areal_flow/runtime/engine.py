@@ -221,7 +221,7 @@ class TrainEngine:
             return ModelOutput(logprobs=torch.zeros_like(values), values=_shift(values[:, :-1]))
         where = LossPositions.of(layout, mb["loss_mask"].to(self.device),
                                  mb["temperature"].to(self.device))
-        with loss_position_head(self.model, where, entropy, self.compiled) as extra:
+        with loss_position_head(self.model, where, entropy) as extra:
             out = self.model(**layout.model_inputs()).logits
         token, ent = (out[:, 0], out[:, 1]) if entropy == "grad" else (out, extra["entropy"])
         return ModelOutput(logprobs=where.scatter(token, ids.shape),

@@ -7,10 +7,10 @@ positions are prompt tokens no loss reads. So the head runs only at the position
 mask, on the hidden states gathered there, in chunks of tokens; each chunk's logits are
 recomputed in backward instead of kept, so at most one chunk's [tokens, vocab] tensors exist at a
 time. The log-softmax, the entropy and their gradient are written out (`token_stats`,
-`logits_grad`) rather than left to autograd: autograd's chain (cast, divide, log-softmax, exp,
-product, and each one's backward) is a pass over the logits and a [tokens, vocab] temporary per
-operation, 0.8 s of a 5.9 s SmolLM2 step in bf16; compiled (`TrainConfig.compile`), each is one
-loop.
+`logits_grad`), in place, rather than left to autograd: autograd's chain (cast, divide,
+log-softmax, exp, product, and each one's backward) is a pass over the logits and a [tokens,
+vocab] temporary per operation, 0.8 s of a 5.9 s SmolLM2 step in bf16. Compiling the two
+(inductor: one loop each) measured within 3 % of them eager, so they are not.
 
 The head still runs inside the model's own forward (its `lm_head` is swapped for the duration of
 one call): FSDP2 gathers the root module's parameters, the tied embedding included, only there.
@@ -19,7 +19,6 @@ one call): FSDP2 gathers the root module's parameters, the tied embedding includ
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Iterator
 from typing import Literal
 
@@ -96,64 +95,51 @@ def logits_grad(logits: torch.Tensor, temperature: torch.Tensor, targets: torch.
     return g.div_(temperature[:, None]).to(logits.dtype)
 
 
-@functools.cache
-def _compiled() -> tuple:
-    """`token_stats` and `logits_grad` compiled (inductor): each one loop over the logits
-    instead of a pass and a [tokens, vocab] temporary per operation (benchmarks/train_step.py,
-    "compile"); dynamic shapes, one graph for any chunk and vocabulary."""
-    return torch.compile(token_stats, dynamic=True), torch.compile(logits_grad, dynamic=True)
-
-
 class _Head(torch.autograd.Function):
     """The head's log-probs (and entropies) of one chunk of positions, the logits recomputed in
-    backward rather than kept: the backward holds the chunk's logits and their gradient, in the
-    logits' dtype, and no fp32 [tokens, vocab] tensor beside them (compiled)."""
+    backward rather than kept."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, entropy: bool, compiled: bool):
-        stats, _ = _compiled() if compiled else (token_stats, logits_grad)
-        token, ent, lse = stats(F.linear(hidden, weight, bias), temperature, targets, entropy)
+    def forward(ctx, hidden, weight, bias, targets, temperature, entropy: bool):
+        token, ent, lse = token_stats(F.linear(hidden, weight, bias), temperature, targets,
+                                      entropy)
         ctx.save_for_backward(hidden, weight, bias, targets, temperature, lse, ent)
-        ctx.compiled = compiled
         ctx.set_materialize_grads(False)
         return token, ent
 
     @staticmethod
     def backward(ctx, g_token, g_ent):
         hidden, weight, bias, targets, temperature, lse, ent = ctx.saved_tensors
-        _, grad = _compiled() if ctx.compiled else (token_stats, logits_grad)
         if g_token is None:
             g_token = torch.zeros_like(lse)
-        g = grad(F.linear(hidden, weight, bias), temperature, targets, lse, ent, g_token, g_ent)
+        g = logits_grad(F.linear(hidden, weight, bias), temperature, targets, lse, ent, g_token,
+                        g_ent)
         needs = ctx.needs_input_grad
         return (g @ weight if needs[0] else None, g.t() @ hidden if needs[1] else None,
                 g.sum(0) if bias is not None and needs[2] else None,
-                None, None, None, None)
+                None, None, None)
 
 
 def _chunk(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           targets: torch.Tensor, temperature: torch.Tensor, entropy: EntropyMode,
-           compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    token, ent = _Head.apply(hidden, weight, bias, targets, temperature, entropy != "none",
-                             compiled)
+           targets: torch.Tensor, temperature: torch.Tensor,
+           entropy: EntropyMode) -> tuple[torch.Tensor, torch.Tensor | None]:
+    token, ent = _Head.apply(hidden, weight, bias, targets, temperature, entropy != "none")
     if ent is not None and entropy != "grad":
         ent = ent.detach()
     return token, ent
 
 
 def head_at_positions(head: torch.nn.Linear, hidden: torch.Tensor, where: LossPositions,
-                      entropy: EntropyMode, compiled: bool = False
-                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      entropy: EntropyMode) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[positions] token log-probs (and entropies) of `head` applied to the packed `hidden`
-    [1, tokens, hidden] at `where`, in chunks, each one's logits recomputed in backward;
-    `compiled`: with the compiled kernels (`TrainConfig.compile`)."""
+    [1, tokens, hidden] at `where`, in chunks, each one's logits recomputed in backward."""
     states = hidden.flatten(0, 1)[where.states]
     step = max(1, CHUNK_ELEMENTS // head.weight.shape[0])
     tokens, entropies = [], []
     for start in range(0, len(states), step):
         part = slice(start, start + step)
         token, ent = _chunk(states[part], head.weight, head.bias, where.targets[part],
-                            where.temperature[part], entropy, compiled)
+                            where.temperature[part], entropy)
         tokens.append(token)
         entropies.append(ent)
     if not tokens:  # no loss position: still a graph through every layer, for FSDP's hooks
@@ -164,16 +150,15 @@ def head_at_positions(head: torch.nn.Linear, hidden: torch.Tensor, where: LossPo
 
 @contextlib.contextmanager
 def loss_position_head(model: torch.nn.Module, where: LossPositions,
-                       entropy: EntropyMode, compiled: bool = False) -> Iterator[dict]:
+                       entropy: EntropyMode) -> Iterator[dict]:
     """Within the block, `model(...)` returns as `.logits` the [positions] token log-probs of
     `where` (or [positions, 2] with the entropy when `entropy == "grad"`), and the returned dict
-    gets the no-gradient entropy under "entropy" when `entropy == "metric"`. `compiled`: the
-    head's element-wise work compiled (`TrainConfig.compile`)."""
+    gets the no-gradient entropy under "entropy" when `entropy == "metric"`."""
     head = model.get_output_embeddings()
     extra: dict = {}
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
-        token, ent = head_at_positions(head, hidden, where, entropy, compiled)
+        token, ent = head_at_positions(head, hidden, where, entropy)
         if entropy == "grad":
             return torch.stack([token, ent], -1)
         extra["entropy"] = ent
