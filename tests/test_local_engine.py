@@ -824,6 +824,34 @@ def test_a_failing_forward_fails_its_requests_and_the_engine_keeps_serving(engin
     assert len(out.token_ids) == 3 and engine.stats()["running"] == 0
 
 
+def test_a_failing_abort_fails_the_running_requests_and_the_engine_keeps_serving(engine):
+    """An abort that drops a running row rearranges the KV batch outside the step's own error
+    handling; if that fails, the rows left cannot be trusted: they fail with the error, the
+    aborted one still returns "abort", and the engine thread lives on (it died once, and every
+    later request waited for ever)."""
+    def broken(rows):
+        raise RuntimeError("keep failed (injected)")
+
+    def abort_b_once(eng):
+        if len(eng._running) == 2:
+            eng.on_step = None
+            eng._kv.keep = broken
+            eng.abort("b")
+
+    engine.on_step = abort_b_once
+    a, b = (engine.submit(GenerationRequest(
+        input_ids=ids, rid=rid, sampling=SamplingParams(temperature=0, max_new_tokens=50,
+                                                        ignore_eos=True)))
+        for ids, rid in (([5, 6], "a"), ([7, 8], "b")))
+    assert b.future.result(timeout=30).finish_reason == "abort"
+    with pytest.raises(RuntimeError, match="injected"):
+        a.future.result(timeout=30)
+    del engine._kv.keep
+    out = asyncio.run(engine.generate(request([5, 6], temperature=0, max_new_tokens=3,
+                                              ignore_eos=True)))
+    assert len(out.token_ids) == 3 and engine.stats()["running"] == 0
+
+
 def test_aborting_one_request_leaves_the_first_one_running(tiny_model_dir):
     engine = LocalEngine(tiny_model_dir)
     try:

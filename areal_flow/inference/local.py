@@ -432,11 +432,16 @@ class LocalEngine:
             if self.on_step is not None:
                 self.on_step(self)
         except Exception as exc:  # fail the affected requests instead of hanging them
-            for seq in [*admitted, *self._running]:
-                _settle(seq.future, exc)
-            self._running = []
-            self._kv.clear()
+            self._fail_running([*admitted, *self._running], exc)
         return True
+
+    def _fail_running(self, seqs: list[_Sequence], exc: Exception) -> None:
+        """`seqs` fail with `exc`, and the running batch, which a failure left in no known
+        state, is emptied."""
+        for seq in seqs:
+            _settle(seq.future, exc)
+        self._running = []
+        self._kv.clear()
 
     def _interrupt_locked(self) -> None:
         self._totals.interruptions += len(self._running)
@@ -453,9 +458,14 @@ class LocalEngine:
 
         dropped = [s for s in [*self._waiting, *self._running] if cancelled(s)]
         self._waiting = deque(s for s in self._waiting if not cancelled(s))
-        if any(map(cancelled, self._running)):
-            self._keep([i for i, s in enumerate(self._running) if not cancelled(s)])
+        kept = [i for i, s in enumerate(self._running) if not cancelled(s)]
         self._abort.clear()
+        if len(kept) < len(self._running):
+            survivors = [self._running[i] for i in kept]
+            try:
+                self._keep(kept)
+            except Exception as exc:  # outside the step's handler: the engine thread lives on
+                self._fail_running(survivors, exc)
         for seq in dropped:
             self._finish(seq, "abort")
 
