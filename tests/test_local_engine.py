@@ -852,6 +852,34 @@ def test_a_failing_abort_fails_the_running_requests_and_the_engine_keeps_serving
     assert len(out.token_ids) == 3 and engine.stats()["running"] == 0
 
 
+def test_a_completion_that_fails_to_decode_fails_alone(engine):
+    """The text of an aborted request is decoded on the engine thread outside the step's
+    error handling (a tokenizer can refuse ids: a padded vocabulary is larger than the
+    tokenizer's); that request fails with the error and no other does."""
+    decode, armed = engine.tokenizer.decode, []
+
+    def refuses_once(ids, **kwargs):
+        if armed and armed.pop():
+            raise ValueError("id out of the tokenizer's range (injected)")
+        return decode(ids, **kwargs)
+
+    def abort_b_once(eng):
+        if len(eng._running) == 2:
+            eng.on_step = None
+            armed.append(True)  # the next decode is b's, in the abort
+            eng.abort("b")
+
+    engine.tokenizer.decode = refuses_once
+    engine.on_step = abort_b_once
+    a, b = (engine.submit(GenerationRequest(
+        input_ids=ids, rid=rid, sampling=SamplingParams(temperature=0, max_new_tokens=12,
+                                                        ignore_eos=True)))
+        for ids, rid in (([5, 6], "a"), ([7, 8], "b")))
+    with pytest.raises(ValueError, match="injected"):
+        b.future.result(timeout=30)
+    assert len(a.future.result(timeout=30).token_ids) == 12
+
+
 def test_aborting_one_request_leaves_the_first_one_running(tiny_model_dir):
     engine = LocalEngine(tiny_model_dir)
     try:

@@ -561,16 +561,16 @@ class LocalEngine:
     def _finish(self, seq: _Sequence, reason: FinishReason) -> None:
         if seq.future.done():
             return
-        completion = Completion(
-            token_ids=seq.tokens,
-            logprobs=seq.logprobs,
-            versions=seq.versions,
-            finish_reason=reason,
-            temperature=seq.request.sampling.logprob_temperature,
-            text=self.tokenizer.decode(seq.tokens, skip_special_tokens=True),
-        )
+        try:
+            text = self.tokenizer.decode(seq.tokens, skip_special_tokens=True)
+        except Exception as exc:  # this request's failure: not the batch's, not the thread's
+            _settle(seq.future, exc)
+            return
         self._totals.finished += 1
-        _settle(seq.future, completion)
+        _settle(seq.future, Completion(
+            token_ids=seq.tokens, logprobs=seq.logprobs, versions=seq.versions,
+            finish_reason=reason, temperature=seq.request.sampling.logprob_temperature,
+            text=text))
 
     # -- the running batch ---------------------------------------------------------------
 
