@@ -114,3 +114,18 @@ def test_the_device_engine_continues_interrupted_generations_under_new_weights(t
     from tests.test_local_engine import check_interrupted_generations
 
     check_interrupted_generations(tiny_model_dir, DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("entropy_mode", ["grad", "metric"])
+@pytest.mark.parametrize("size", ["small", "smollm2"] if DEVICE.startswith("cuda") else ["small"])
+def test_the_written_out_head_on_the_device_equals_the_categorical_distribution(
+        dtype, entropy_mode, size):
+    """The loss-position head's in-place log-softmax, entropy and gradient (logprobs.py) on the
+    device against fp64 on the CPU; at SmolLM2's vocabulary and width (on a GPU only: 25 s on 2
+    CPU cores) 1,500 positions run as three chunks. fp32's tolerance admits a GPU's reduction
+    order, not TF32 (about 1e-3)."""
+    from tests.test_logprobs import check_head_against_categorical
+
+    shape = {} if size == "small" else dict(vocab=49152, n=1500, width=576)
+    check_head_against_categorical(dtype, entropy_mode, DEVICE, fp32_tolerance=1e-4, **shape)

@@ -198,28 +198,38 @@ def test_backward_keeps_no_logits_and_recomputes_them(entropy_mode):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("entropy_mode", ["grad", "metric"])
 def test_the_head_equals_the_categorical_distribution(dtype, entropy_mode):
+    check_head_against_categorical(dtype, entropy_mode)
+
+
+def check_head_against_categorical(dtype, entropy_mode, device="cpu", vocab=50, n=9, width=16,
+                                   fp32_tolerance=1e-5):
     """The written-out log-softmax, entropy and gradient, in the training dtypes: log-probs,
     entropies and the gradients of the hidden states, the weight and the bias against
-    torch.distributions' Categorical in fp64."""
+    torch.distributions' Categorical in fp64 on the CPU (tests/test_gpu.py runs it on a GPU)."""
     torch.manual_seed(0)
-    vocab, n = 50, 9
-    head = torch.nn.Linear(16, vocab).to(dtype)
-    hidden = torch.randn(1, n + 1, 16, dtype=dtype, requires_grad=True)
+    head = torch.nn.Linear(width, vocab).to(dtype)
+    hidden = torch.randn(1, n + 1, width, dtype=dtype)
     ids = torch.randint(0, vocab, (1, n + 1))
     mask = torch.ones(1, n + 1, dtype=torch.bool)
-    where = LossPositions.of(PackedRows.of(ids, mask), mask, torch.tensor([0.7]))
     a, b = torch.randn(n), torch.randn(n)
-    token, entropy = logprobs.head_at_positions(head, hidden, where, entropy_mode)
-    (token * a).sum().add((entropy * b).sum() if entropy_mode == "grad" else 0).backward()
-    got = [token.detach(), entropy.detach(), hidden.grad, head.weight.grad, head.bias.grad]
 
-    h = hidden.detach().double().requires_grad_()
-    w, bias = (t.detach().double().requires_grad_() for t in (head.weight, head.bias))
+    on = head.to(device)
+    x = hidden.to(device, copy=True).requires_grad_()
+    where = LossPositions.of(PackedRows.of(ids.to(device), mask.to(device)), mask.to(device),
+                             torch.tensor([0.7], device=device))
+    token, entropy = logprobs.head_at_positions(on, x, where, entropy_mode)
+    (token * a.to(device)).sum().add(
+        (entropy * b.to(device)).sum() if entropy_mode == "grad" else 0).backward()
+    got = [token.detach(), entropy.detach(), x.grad, on.weight.grad, on.bias.grad]
+    assert all(t.device.type == torch.device(device).type for t in got)
+
+    h = hidden.double().requires_grad_()  # a copy: never the tensor that x is
+    w, bias = (t.detach().cpu().double().requires_grad_() for t in (on.weight, on.bias))
     dist = torch.distributions.Categorical(logits=(h[0, :-1] @ w.t() + bias) / 0.7)
     ref_token, ref_entropy = dist.log_prob(ids[0, 1:]), dist.entropy()
     (ref_token * a.double()).sum().add(
         (ref_entropy * b.double()).sum() if entropy_mode == "grad" else 0).backward()
     expected = [ref_token, ref_entropy, h.grad, w.grad, bias.grad]
-    tol = 1e-5 if dtype is torch.float32 else 3e-2
+    tol = fp32_tolerance if dtype is torch.float32 else 3e-2
     for name, g, e in zip(["token", "entropy", "hidden", "weight", "bias"], got, expected):
-        torch.testing.assert_close(g.double(), e, atol=tol, rtol=tol, msg=name)
+        torch.testing.assert_close(g.cpu().double(), e, atol=tol, rtol=tol, msg=name)
