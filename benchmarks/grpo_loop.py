@@ -151,7 +151,7 @@ def areal_flow_worker(p: dict, eta: int) -> dict:
                     raise wait.failure or KeyboardInterrupt()
                 batch = wait.batch
                 rolled = time.perf_counter()
-                trainer.train(batch, algorithm)
+                stats = trainer.train(batch, algorithm)
                 trained = time.perf_counter()
                 trainer.sync_weights(engine, step + 1)
                 scheduler.set_version(step + 1)
@@ -162,6 +162,8 @@ def areal_flow_worker(p: dict, eta: int) -> dict:
                 steps.append({
                     "reward": batch["rewards"].float().mean().item(),
                     "rows": int(batch.batch_size[0]),
+                    # rows of flat groups (advantage 0 everywhere) skip forward and backward
+                    "trained_rows": int(batch.batch_size[0] - stats["train/skipped_rows"]),
                     "completion_tokens": int(completion.sum()),
                     "prompt_tokens": int((batch["attention_mask"].sum(-1) - completion).sum()),
                     "staleness": lag.float().mean().item(),
@@ -221,6 +223,9 @@ def summarize(problem: dict, label: str, result: dict) -> dict:
         "completion_tokens_per_s": sum(s["completion_tokens"] for s in steps[1:])
         / sum(result["step_s"]),
         "reward_first": sum(rewards[:k]) / k, "reward_last": sum(rewards[-k:]) / k,
+        # of the timed steps' rows, the fraction trained (None: TRL, which trains every row)
+        "trained_fraction": sum(s["trained_rows"] for s in steps[1:])
+        / sum(s["rows"] for s in steps[1:]) if "trained_rows" in steps[-1] else None,
         "reward_steps_averaged": k, "rewards": rewards, "step_s": result["step_s"],
         "load_s": result["load_s"], "process_s": result["process_s"], "steps": steps,
         "torch_threads": result["torch_threads"], "loadavg_1min": result["loadavg_1min"],

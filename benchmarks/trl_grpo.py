@@ -8,12 +8,16 @@ both in bf16 (TRL's `bf16=True` autocast; areal_flow's bf16 engine and bf16 trai
 master weights), and areal_flow once more in its own default, each precision measured at start
 (`runtime/precision.py`): that row compares with TRL's faster row. The tiny model runs fp32.
 The problems are grpo_loop.py's: the tiny model (--quick and full; EOS never ends a completion:
-areal_flow ignore_eos, TRL min_new_tokens) and SmolLM2-135M on GSM8K (full only, 3 steps).
+areal_flow ignore_eos, TRL min_new_tokens) and SmolLM2-135M on GSM8K (full only, 6 steps: 5
+timed; with 3, a step whose groups were all flat could be half of a row's timing).
 areal_flow runs synchronously (max_staleness 0) and asynchronously (max_staleness 1), waiting for
 its batches as the recipe does (the engine's steps on the waiting thread). Each run is
 its own subprocess, one after the other. s/step is the mean wall time of steps 2..N (model loading
 and the first step are left out); samples/s = completions per step / s/step; ratio = areal_flow
-samples/s / TRL samples/s; reward first→last = mean batch reward of the first and last k steps.
+samples/s / TRL samples/s; reward first→last = mean batch reward of the first and last k steps;
+rows trained = the fraction of the timed steps' rows areal_flow trained: the rows of a flat group
+(one reward for all) have advantage 0 and skip forward and backward, where TRL runs them (its
+loss on them is 0), so a low fraction makes a row's step cheaper than its completions say.
 Differences left: TRL divides by the group's sample std (Bessel) + 1e-4, areal_flow by the
 population std + 1e-6; the two sample with different random streams, so GSM8K completions (ended
 by EOS) differ in length: the tok/s ratio column corrects for that; TRL's min_new_tokens takes
@@ -190,7 +194,7 @@ def run(quick: bool = False) -> dict:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        for problem in problems(quick, tmp, smollm2_steps=3, default_shape=True):
+        for problem in problems(quick, tmp, smollm2_steps=6, default_shape=True):
             runs = RUNS if problem["name"] != "tiny" else {
                 label: spec for label, spec in RUNS.items() if spec["precision"] == "float32"}
             results = []
@@ -214,11 +218,13 @@ def show(result: dict) -> None:
           f"{result['cpus']} CPUs); s/step over steps 2..N\n")
     print(markdown_table(
         ["model", "framework", "s/step", "samples/s", "completion tok/s", "reward first→last",
-         "vs", "ratio vs TRL (samples/s)", "ratio vs TRL (tok/s)"],
+         "rows trained", "vs", "ratio vs TRL (samples/s)", "ratio vs TRL (tok/s)"],
         [[problem_label(r), r["framework"],
           f"{r['s_per_step']:.2f}", f"{r['samples_per_s']:.2f}",
           f"{r['completion_tokens_per_s']:.1f}",
-          f"{r['reward_first']:.3f}→{r['reward_last']:.3f}", r["baseline"],
+          f"{r['reward_first']:.3f}→{r['reward_last']:.3f}",
+          "all" if r.get("trained_fraction") is None else f"{r['trained_fraction']:.0%}",
+          r["baseline"],
           f"{r['ratio_vs_trl']:.2f}x",
           f"{r['token_ratio_vs_trl']:.2f}x"] for r in result["rows"]]))
 
