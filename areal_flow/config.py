@@ -165,6 +165,12 @@ class InferenceConfig:
     hosted: bool = True
     """The in-process local engine decodes on the trainer's thread while the trainer waits for
     its batch (`LocalEngine.hosted`; off: on the engine thread throughout, for comparisons)."""
+    decode_while_training: bool = False
+    """The in-process local engine goes on decoding (at max_staleness >= 1: the next batch)
+    while the trainer trains. Off, it makes no step until the trainer waits again: the engine
+    and the trainer compute on the same cores, and beside the engine's thread training took
+    2-2.4x longer on 2 cores (tiny model 14 -> 35 ms; GIL and OpenMP teams), more than the
+    overlap saved (benchmarks/README.md, "Generation beside training")."""
     device: str = attrs.field(default="auto")
     """Where the local engine (and launched `areal-flow serve` servers) run: auto (cuda when a
     GPU is visible, else cpu), cpu, cuda or cuda:N."""

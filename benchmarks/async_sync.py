@@ -22,7 +22,9 @@ from common import main, markdown_table
 from grpo_loop import (areal_flow_worker, launch, problem_label, problems, summarize,
                        worker_spec)
 
-ETAS = (0, 1, 2, 4)
+RUNS = ((0, False), (1, False), (1, True), (2, False), (4, False))
+"""(η, decode while training): the engine makes no step while the trainer trains unless the
+second is True (`InferenceConfig.decode_while_training`; the row "1, decode while training")."""
 
 
 def run(quick: bool = False) -> dict:
@@ -33,13 +35,15 @@ def run(quick: bool = False) -> dict:
         tmp = Path(tmp)
         for problem in problems(quick, tmp, smollm2_steps=6):
             base = None
-            for eta in ETAS:
-                result = launch(__file__, {"key": f"{problem['name']}-eta{eta}", "eta": eta,
-                                           "problem": problem}, tmp)
-                row = summarize(problem, f"areal_flow eta={eta}", result)
+            for eta, overlap in RUNS:
+                name = f"{eta}, decode while training" if overlap else f"{eta}"
+                result = launch(__file__, {
+                    "key": f"{problem['name']}-eta{eta}{'-overlap' * overlap}", "eta": eta,
+                    "problem": {**problem, "decode_while_training": overlap}}, tmp)
+                row = summarize(problem, f"areal_flow eta={name}", result)
                 steps = result["steps"]
                 row.update(
-                    eta=eta, wall_s=result["wall_s"],
+                    eta=eta, eta_label=name, wall_s=result["wall_s"],
                     generated_tokens=sum(s["generated_tokens"] for s in steps),
                     trained_tokens=sum(s["completion_tokens"] for s in steps),
                     reprefill_tokens=sum(s["reprefill_tokens"] for s in steps),
@@ -65,7 +69,7 @@ def show(result: dict) -> None:
     print(markdown_table(
         ["model", "eta", "wall s", "speed-up vs eta 0", "s/step", "completion tok/s",
          "reward first→last", "staleness mean/max"],
-        [[problem_label(r), r["eta"],
+        [[problem_label(r), r.get("eta_label", r["eta"]),
           f"{r['wall_s']:.1f}", f"{r['speedup_vs_sync']:.2f}x", f"{r['s_per_step']:.3f}",
           f"{r['completion_tokens_per_s']:.0f}",
           f"{r['reward_first']:.3f}→{r['reward_last']:.3f}",
@@ -75,7 +79,7 @@ def show(result: dict) -> None:
     print(markdown_table(
         ["model", "eta", "generated tokens", "trained tokens", "not trained", "dropped groups",
          "interrupted requests", "re-prefilled tokens", "weight sync s/step"],
-        [[r["model"], r["eta"], r["generated_tokens"], r["trained_tokens"],
+        [[r["model"], r.get("eta_label", r["eta"]), r["generated_tokens"], r["trained_tokens"],
           r["generated_tokens"] - r["trained_tokens"], r["dropped_stale_groups"],
           r["interruptions"], r["reprefill_tokens"], f"{r['sync_s_per_step']:.3f}"]
          for r in result["rows"]]))

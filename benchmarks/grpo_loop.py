@@ -83,7 +83,7 @@ def areal_flow_worker(p: dict, eta: int) -> dict:
     from areal_flow.algorithms.grpo import GRPO, GRPOConfig
     from areal_flow.config import (InferenceConfig, OptimizerConfig, PolicyLossConfig,
                                    RolloutConfig)
-    from areal_flow.rl_recipes import next_batch
+    from areal_flow.rl_recipes import hosting, next_batch
     from areal_flow.inference.local import LocalEngine
     from areal_flow.reward.runner import RewardRunner
     from areal_flow.stop_request import StopRequest
@@ -151,7 +151,9 @@ def areal_flow_worker(p: dict, eta: int) -> dict:
                     raise wait.failure or KeyboardInterrupt()
                 batch = wait.batch
                 rolled = time.perf_counter()
-                stats = trainer.train(batch, algorithm)
+                # as the recipe: the engine makes no step while this trains (unless asked)
+                with hosting(engine, not p.get("decode_while_training", False)):
+                    stats = trainer.train(batch, algorithm)
                 trained = time.perf_counter()
                 trainer.sync_weights(engine, step + 1)
                 scheduler.set_version(step + 1)

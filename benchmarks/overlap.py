@@ -6,7 +6,10 @@ Each configuration runs `recipes/gsm8k_grpo.py` itself (SmolLM2-135M-Instruct, t
 prompt and reward; --quick: the tiny model), a few steps, no eval or checkpoints, in its own
 process; the rows compare steady s/step (steps 2..N) and the trainer process's peak RSS:
   in-process, eta 0       synchronous: generation and training take turns on all cores
-  in-process, eta 1       the default: the engine's thread generates the next batch meanwhile
+  in-process, eta 1       the default: the engine generates the next batch while the trainer
+                          waits; while it trains, the engine makes no step
+  ..., decode while training  the engine's thread goes on generating while the trainer trains
+                          (`--inference.decode-while-training`)
   ..., not hosted         the engine's thread decodes while the trainer waits too, instead of
                           the trainer's (`--inference.no-hosted`; `LocalEngine.hosted`)
   ..., engine 1 thread    the same with the engine's thread in an OpenMP pool of 1 thread
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -36,10 +40,13 @@ CONFIGS = {  # name -> (recipe options, OMP_NUM_THREADS)
     "in-process, eta 0, not hosted": (["--rollout.max-staleness", "0", "--inference.no-hosted"],
                                       CPUS),
     "in-process, eta 1": ([], CPUS),
+    "in-process, eta 1, decode while training": (["--inference.decode-while-training"], CPUS),
     "in-process, eta 1, not hosted": (["--inference.no-hosted"], CPUS),
     "in-process, eta 0, engine 1 thread": (["--rollout.max-staleness", "0",
                                             "--inference.threads", "1"], CPUS),
     "in-process, eta 1, engine 1 thread": (["--inference.threads", "1"], CPUS),
+    "in-process, eta 1, engine 1 thread, decode while training": (
+        ["--inference.threads", "1", "--inference.decode-while-training"], CPUS),
     "own process, eta 1": (SERVER, CPUS),
     "own process, eta 1, 1+1 threads": (SERVER, "1"),
 }
@@ -67,6 +74,9 @@ def run(quick: bool = False) -> dict:
             if done.returncode != 0:
                 raise SystemExit(f"{name} failed:\n{done.stderr[-4000:]}")
             metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+            # on /dev/shm the folder (its last checkpoint and weights, 2.7 GB) is memory: with
+            # every earlier configuration's kept, the kernel's OOM killer ended a later run
+            shutil.rmtree(run_dir)
             steps = [m for m in metrics if m.get("step", 0) > 0]
             steady = [m["seconds/step"] for m in steps[1:]]
             rows.append({

@@ -119,11 +119,13 @@ def main(cfg: Config) -> None:
                 session.stop_before(step, wait.failure)  # a checkpoint of where it stands
                 break
             batch, rolled = wait.batch, time.perf_counter()
-            # role forwards: pi_prox, critic values, ref and teacher log-probs, as it needs
-            shard = trainer.role_forwards(batch, algorithm, critic=critic, ref=ref,
-                                          teacher=teacher)
-            shard = trainer.advantages(shard, algorithm)  # on rank 0, over the whole batch
-            stats = trainer.update(shard, algorithm, critic=critic)  # the optimizer step(s)
+            # the in-process engine makes no step while this trains (it shares the cores)
+            with rl_recipes.hosting(pool, not cfg.inference.decode_while_training):
+                # role forwards: pi_prox, critic values, ref and teacher log-probs, as it needs
+                shard = trainer.role_forwards(batch, algorithm, critic=critic, ref=ref,
+                                              teacher=teacher)
+                shard = trainer.advantages(shard, algorithm)  # on rank 0, the whole batch
+                stats = trainer.update(shard, algorithm, critic=critic)  # the optimizer step(s)
             trained = time.perf_counter()
             failure = None  # what ends the run after this step trained: checkpoint it first
             try:

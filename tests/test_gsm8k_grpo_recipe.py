@@ -486,3 +486,53 @@ def test_a_dataset_source_without_its_extra_is_one_line_naming_the_extra(tiny_mo
     assert capsys.readouterr().err.strip() == (
         "error: --dataset reasoning_gym:... needs the reasoning-gym package: pip install "
         "'areal-flow[reasoning-gym]'")
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_in_process_engine_decodes_nothing_while_the_trainer_trains(
+        overlap, tiny_model_dir, gsm8k_file, tmp_path, monkeypatch):
+    """At max_staleness 1 the next batch's requests are in flight while a batch trains. By
+    default the engine makes no decode step until the trainer waits again (it shares the
+    trainer's cores); with --inference.decode-while-training it goes on."""
+    import threading
+
+    from areal_flow import rl_recipes
+    from areal_flow.inference.local import LocalEngine
+    from areal_flow.runtime.engine import TrainEngine
+
+    monkeypatch.syspath_prepend(str(ROOT / "recipes"))
+    import gsm8k_grpo
+
+    training, during, engines, probed = threading.Event(), [], [], []
+    decode, update = LocalEngine._decode, TrainEngine.update
+
+    def counted_decode(self):
+        engines.append(self)
+        during.append(training.is_set())
+        return decode(self)
+
+    def slow_update(self, *args, **kwargs):
+        if probed:  # the first step's update is the probe
+            return update(self, *args, **kwargs)
+        probed.append(True)
+        training.set()
+        try:
+            engine, waited = engines[-1], time.monotonic()
+            # the next batch's requests reach the engine (its queues: nothing public says so)
+            while not (engine._running or engine._waiting) and time.monotonic() - waited < 5:
+                time.sleep(0.005)
+            time.sleep(0.5)  # time for the engine thread to decode them, where it may
+            return update(self, *args, **kwargs)
+        finally:
+            training.clear()
+
+    monkeypatch.setattr(LocalEngine, "_decode", counted_decode)
+    monkeypatch.setattr(TrainEngine, "update", slow_update)
+    # 4 rows at a time: the next batch's rows start once this batch's are done, and run on
+    args = tiny_args(tiny_model_dir, gsm8k_file, tmp_path / "run", "--rollout.max-staleness",
+                     "1", "--eval-size", "0", *SAME_FIRST_BATCH[:2],
+                     "--inference.max-batch-size", "4", "--sampling.max-new-tokens", "64",
+                     *(["--inference.decode-while-training"] if overlap else []))
+    gsm8k_grpo.main(rl_recipes.cli(gsm8k_grpo.Config, args))
+    assert during.count(False) > 0  # it decoded while the trainer waited
+    assert (during.count(True) > 0) == overlap, during
