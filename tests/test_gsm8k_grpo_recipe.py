@@ -528,7 +528,8 @@ def test_the_in_process_engine_decodes_nothing_while_the_trainer_trains(
 
     monkeypatch.setattr(LocalEngine, "_decode", counted_decode)
     monkeypatch.setattr(TrainEngine, "update", slow_update)
-    # 4 rows at a time: the next batch's rows start once this batch's are done, and run on
+    # the engine decodes 4 rows at a time: the next batch's rows start once this batch's are
+    # done, and are in flight while it trains (the later --sampling.max-new-tokens counts)
     args = tiny_args(tiny_model_dir, gsm8k_file, tmp_path / "run", "--rollout.max-staleness",
                      "1", "--eval-size", "0", *SAME_FIRST_BATCH[:2],
                      "--inference.max-batch-size", "4", "--sampling.max-new-tokens", "64",
