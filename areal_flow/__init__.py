@@ -1,7 +1,4 @@
-"""areal_flow: asynchronous RL post-training for LLMs.
-
-Importing this package does not import torch, so reward worker processes stay light.
-"""
+"""areal_flow: asynchronous RL post-training for LLMs (torch-free import, for reward workers)."""
 
 from areal_flow.algorithms import algorithm
 from areal_flow.registry import algorithms, generation_pools, rewards, workflows

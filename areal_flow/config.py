@@ -1,9 +1,4 @@
-"""Config classes shared by recipes, and loading them from YAML/JSON/dicts.
-
-Every class is a frozen attrs class with validators, so a bad value fails at start-up naming the
-field and the allowed range; tyro renders the same classes as a command line (the attribute
-docstrings are the help text) and cattrs structures them from files.
-"""
+"""Config classes shared by recipes: frozen, validated attrs classes that tyro and cattrs build."""
 
 from __future__ import annotations
 
@@ -43,20 +38,12 @@ class RolloutConfig:
     max_retries: int = attrs.field(default=2, validator=v.ge(0))
     """Times a sample whose workflow raised is tried again before it is given up."""
     batch_timeout: float = attrs.field(default=900.0, validator=v.gt(0))
-    """Seconds the trainer waits for a batch before the run writes a checkpoint and stops with
-    an error (no server can serve, every workflow hangs); raise it for very long generations."""
+    """Seconds to wait for a batch before the run checkpoints and stops with an error."""
     consume_order: Literal["fifo", "oldest_version"] = attrs.field(
         default="fifo", validator=v.in_(("fifo", "oldest_version")))
-    """Which finished groups a batch takes. fifo: in order of finishing — short generations
-    finish first, so long ones wait, go stale and are dropped (a length bias; see the
-    scheduler's stale_dropped_token_fraction/len_* stats). oldest_version: the groups whose
-    oldest token is oldest, i.e. closest to being dropped, so long generations are trained
-    before they go stale; the cost is staler trained tokens on average (more off-policy)."""
+    """Which finished groups a batch takes: fifo (long ones go stale) or oldest_version."""
     filter_flat_groups: int = attrs.field(default=0, validator=v.ge(0))
-    """Dynamic sampling (DAPO): drop up to this many flat groups (every reward equal: no
-    signal for group-relative advantages) per batch, each replaced by a group of another prompt;
-    past the bound flat groups are kept, so a batch always comes. 0: off. The cost is in the
-    metrics: rollout/dropped_flat_groups and rollout/dropped_flat_tokens."""
+    """Dynamic sampling (DAPO): flat groups dropped per batch, at most (then kept); 0: off."""
 
     def __attrs_post_init__(self) -> None:
         if self.filter_flat_groups and self.group_size < 2:
@@ -92,28 +79,17 @@ class PolicyLossConfig:
     )
     """Average the loss over all tokens of the batch, or per sequence first."""
     recompute_proximal: bool = True
-    """Recompute pi_prox with a forward pass before the update. False saves that forward: tokens
-    of the current version take pi_behav (the same weights, as the inference engine computed
-    them), stale tokens take pi_theta on the first mini-batch (exact) and a log-linear
-    interpolation in versions on later ones (approximate); see F.interpolate_proximal."""
+    """Recompute pi_prox by a forward pass; False approximates it (F.interpolate_proximal)."""
     mismatch_correction: Literal[
         "auto", "none", "tis", "token_mask", "sequence_mask", "geometric_mask"] = attrs.field(
         default="auto",
         validator=v.in_(("auto", "none", "tis", "token_mask", "sequence_mask",
                          "geometric_mask")))
-    """Correct the inference engine's logprobs differing from the trainer's at the same weights,
-    on the tokens where both are known (sampled by the version being trained; without
-    recompute_proximal only on the first mini-batch). tis: there pi_prox := pi_train and the
-    behavior weight becomes min(pi_train / pi_rollout, mismatch_cap). token_mask: zero loss for
-    a token whose ratio is outside mismatch_band; sequence_mask: for the whole row when any of
-    its tokens is; geometric_mask: when the row's geometric-mean ratio is. auto: the recipes
-    choose tis when the engine computes in a lower precision than the trainer (bf16 rollouts,
-    fp32 training), none otherwise, and config.yaml records the choice
-    (`precision.mismatch_default`); a loss that meets auto unresolved applies none. See
-    docs/algorithms.md, "Rollout/training mismatch"."""
+    """Correct the engine's logprobs differing from the trainer's: tis (weight min(pi_train /
+    pi_rollout, mismatch_cap)), token_/sequence_/geometric_mask (zero loss outside mismatch_band),
+    none, or auto (tis when rollouts are in lower precision than training; docs/algorithms.md)."""
     mismatch_cap: float = attrs.field(default=2.0, validator=v.gt(1.0))
-    """C: tis truncates pi_train / pi_rollout at C; mismatch/outside_cap_fraction counts the
-    ratios outside [1/C, C] whatever the correction."""
+    """C: tis truncates pi_train / pi_rollout at C."""
     mismatch_band: tuple[float, float] = attrs.field(default=(0.5, 2.0))
     """(low, high), 0 < low < 1 < high: the masks drop ratios pi_train / pi_rollout outside it."""
 
@@ -153,65 +129,45 @@ class InferenceConfig:
     """A registered generation pool: local (in-process engine) or sglang (HTTP servers)."""
     dtype: Literal["auto", "float32", "bfloat16"] = attrs.field(
         default="auto", validator=v.in_(("auto", "float32", "bfloat16")))
-    """Local engine (and launched servers') weights' dtype; auto measures which decodes faster
-    here for this model's shapes (bf16 on a GPU; `runtime/precision.py`). In the trainer's
-    dtype (fp32 without FSDP) it shares the trainer's weights."""
+    """Local engine (and launched servers') weight dtype; auto: whichever decodes faster here (bf16
+    on a GPU). In the trainer's dtype it shares the trainer's weights."""
     max_batch_size: int = attrs.field(default=64, validator=v.ge(1))
     """Most sequences the local engine decodes at once."""
     threads: int | None = attrs.field(default=None, validator=v.optional(v.ge(1)))
-    """CPU threads the in-process local engine computes with, in a pool of its own (the trainer
-    keeps the process's). None: as many as the process's (measured fastest for SmolLM2 on 2
-    cores; 1 was faster for the tiny model, benchmarks/README.md)."""
+    """CPU threads of the local engine's own pool; None: the process's (fastest for SmolLM2)."""
     hosted: bool = True
-    """The in-process local engine decodes on the trainer's thread while the trainer waits for
-    its batch (`LocalEngine.hosted`; off: on the engine thread throughout, for comparisons)."""
+    """The local engine decodes on the trainer's thread while it waits for a batch."""
     decode_while_training: bool = False
-    """The in-process local engine goes on decoding (at max_staleness >= 1: the next batch)
-    while the trainer trains. Off, it makes no step until the trainer waits again: the engine
-    and the trainer compute on the same cores, and beside the engine's thread training took
-    2-2.4x longer on 2 cores (tiny model 14 -> 35 ms; GIL and OpenMP teams), more than the
-    overlap saved (benchmarks/README.md, "Generation beside training")."""
+    """The local engine decodes during training (off: it slowed training 2-2.4x on 2 cores)."""
     device: str = attrs.field(default="auto")
-    """Where the local engine (and launched `areal-flow serve` servers) run: auto (cuda when a
-    GPU is visible, else cpu), cpu, cuda or cuda:N."""
+    """Where the local engine (and launched servers) run: auto (cuda if any), cpu, cuda, cuda:N."""
     deterministic: bool = False
-    """Launch SGLang with --enable-deterministic-inference. Without it SGLang ignores per-request
-    sampling seeds (slower: batch-invariant kernels, pytorch sampling); our server always
-    honours them."""
+    """Launch SGLang with --enable-deterministic-inference (slower; honours per-request seeds)."""
     addresses: tuple[str, ...] = ()
     """Running servers (host:port) for the sglang backend; none given launches `servers`."""
     addresses_file: str | None = None
     """A file of server addresses, one per line, re-read while training (servers join/leave)."""
     server_gpus: tuple[int, ...] = (0,)
-    """GPUs for servers launched when no addresses are given: one server per tp_size of them
-    (keep them apart from the training ranks' GPUs)."""
+    """GPUs for launched servers (one per tp_size of them), apart from the training ranks' GPUs."""
     tp_size: int = attrs.field(default=1, validator=v.ge(1))
     """Tensor-parallel GPUs per launched SGLang server."""
     server_program: Literal["sglang", "areal-flow"] = attrs.field(
         default="sglang", validator=v.in_(("sglang", "areal-flow")))
-    """What launched servers run: SGLang (GPUs), or `areal-flow serve` (our SGLang-protocol
-    server over the local engine, for CPU machines and tests)."""
+    """What launched servers run: sglang (GPUs), or `areal-flow serve` (the local engine)."""
     request_timeout: float = attrs.field(default=3600.0, validator=v.gt(0))
-    """sglang: seconds one /generate call may take before its server is taken out of rotation
-    (the request then continues on another)."""
+    """sglang: seconds a /generate call may take before its server leaves rotation (retried)."""
     control_timeout: float = attrs.field(default=600.0, validator=v.gt(0))
     """sglang: seconds a weight load or a weight-update group call may take."""
     pause_timeout: float = attrs.field(default=30.0, validator=v.gt(0))
-    """sglang: seconds a pause/resume call may take; a frozen server is taken out of rotation
-    after this instead of holding up every weight update."""
+    """sglang: seconds a pause/resume call may take before the server leaves rotation."""
     no_server_timeout: float = attrs.field(default=600.0, validator=v.gt(0))
     """sglang: seconds a request waits for a server in rotation before it fails."""
     startup_timeout: float = attrs.field(default=120.0, validator=v.ge(0))
-    """sglang, servers given by address: seconds the run waits at start for one of them to
-    answer /health (servers started with the run are still loading), saying so every 10 s."""
+    """sglang, servers given by address: seconds to wait at start for one to answer /health."""
     health_timeout: float = attrs.field(default=30.0, validator=v.gt(0))
-    """sglang: seconds a /health check may take (SGLang's takes ~1 s; more while paused, when
-    none is made); a server holding requests is checked every second, so one that froze is
-    taken out, and its requests continue elsewhere, after about this long."""
+    """sglang: seconds a /health check may take; a frozen server leaves rotation after it."""
     lease_dir: str | None = None
-    """sglang: where runs lease their servers, so that two runs never write weights into one
-    server (`launch/lease.py`): a folder every run reaches (like the weight folders). None:
-    $XDG_CACHE_HOME/areal_flow/leases (~/.cache)."""
+    """sglang: a folder all runs reach, to lease servers in; None: ~/.cache/areal_flow/leases."""
 
     @device.validator
     def _check_device(self, attribute: attrs.Attribute, value: str) -> None:

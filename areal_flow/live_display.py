@@ -7,11 +7,8 @@ from typing import Any
 
 
 class LiveDisplay:
-    """A rich live panel on a terminal (step, chosen metrics, ETA, one sample); one log line per
-    step elsewhere (CI logs, files). `columns` maps metric keys to labels; a key ending in
-    ``task_metrics`` stands for one column per name the batch's metrics list under
-    "task_metrics" (the workflow's own numbers): ``eval/task_metrics`` with label ``eval `` shows
-    ``eval/accuracy`` as "eval accuracy"."""
+    """A rich live panel on a terminal, one log line per step elsewhere; a `columns` key ending in
+    ``task_metrics`` expands to the batch's "task_metrics" names, its label as their prefix."""
 
     def __init__(self, total_steps: int, start_step: int, columns: dict[str, str],
                  enabled: bool = True):

@@ -1,16 +1,8 @@
 """LoRA: low-rank adapters trained on a frozen base model, and how they travel.
 
-The trainer injects peft's LoRA layers into its Hugging Face model in place (the model keeps
-its class; a targeted ``q_proj.weight`` becomes ``q_proj.base_layer.weight`` beside
-``q_proj.lora_A.default.weight`` and ``q_proj.lora_B.default.weight``); only the adapter tensors
-are trained, checkpointed and sent to the generation pool. The local engine injects the same
-layers and loads the adapter tensors into them; an SGLang server loads the adapter as a PEFT
-folder (``/load_lora_adapter``). Either way the base weights never move after start.
-
-A PEFT folder is ``adapter_config.json`` and ``adapter_model.safetensors`` with PEFT's names
-(``base_model.model.<module>.lora_A.weight``): what `peft.PeftModel.from_pretrained`, SGLang
-and vLLM load.
-"""
+peft injects them in place (``q_proj.weight`` becomes ``q_proj.base_layer.weight`` beside
+``q_proj.lora_A.default.weight``); only adapter tensors are trained, checkpointed and sent (SGLang
+loads them as a PEFT folder). Base weights never move after start."""
 
 from __future__ import annotations
 
@@ -38,8 +30,7 @@ class LoraConfig:
     """The update to a weight is alpha / rank * B @ A."""
     target_modules: tuple[str, ...] = attrs.field(default=("all-linear",),
                                                   validator=v.min_len(1))
-    """Module names that get adapters (q_proj v_proj ...), or all-linear: every linear layer
-    but the LM head."""
+    """Module names that get adapters (q_proj v_proj ...), or all-linear (all but the LM head)."""
 
     @property
     def enabled(self) -> bool:
@@ -54,9 +45,7 @@ class LoraConfig:
 
 
 def add_adapters(model: torch.nn.Module, config: Mapping[str, Any]) -> dict[str, Any]:
-    """Inject LoRA layers of the PEFT `config` into `model` in place (B starts at zero, so the
-    model computes what it did before); returns the config resolved against the model, with
-    the targets as module names (q_proj, ...), JSON-ready. Only the adapter stays trainable."""
+    """Inject `config`'s LoRA layers (B = 0, only they train); returns it resolved, JSON-ready."""
     try:
         import peft
     except ImportError:
@@ -73,8 +62,7 @@ def add_adapters(model: torch.nn.Module, config: Mapping[str, Any]) -> dict[str,
 
 
 def same_shape(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
-    """Whether two resolved adapter configs (`add_adapters`, a PEFT folder's) fit the same
-    injected layers: rank, scaling and targets."""
+    """Whether two resolved adapter configs fit the same layers (rank, scaling, targets)."""
     def key(c):
         return c["r"], float(c["lora_alpha"]), sorted(c["target_modules"])
     return key(a) == key(b)
@@ -99,8 +87,7 @@ def save_adapter(folder: str | Path, state: Mapping[str, torch.Tensor],
 
 
 def load_adapter(folder: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """A PEFT folder's config and its tensors under the names of a model with the adapter
-    injected (`add_adapters`)."""
+    """A PEFT folder's config and tensors, named as in a model after `add_adapters`."""
     from safetensors.torch import load_file
 
     folder = Path(folder)
@@ -118,9 +105,7 @@ def load_adapter(folder: str | Path) -> tuple[dict[str, Any], dict[str, torch.Te
 
 
 def merged(state: Mapping[str, torch.Tensor], config: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """The base model's state dict with every adapter folded into its weight
-    (W + alpha / r * B @ A), under the base model's own names: a plain `save_pretrained`
-    model."""
+    """The base state dict with adapters folded in (W + alpha / r * B @ A), base names only."""
     scale = float(config["lora_alpha"]) / int(config["r"])
     out = {}
     for name, tensor in state.items():

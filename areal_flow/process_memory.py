@@ -1,6 +1,4 @@
-"""Resident memory of processes, from Linux's /proc (elsewhere: a process's own peak).
-
-Light on purpose: reward workers import it to report their size after each call."""
+"""Resident memory of processes from Linux's /proc; light, as reward workers import it."""
 
 from __future__ import annotations
 
@@ -17,14 +15,12 @@ def rss_bytes(pid: int | str = "self") -> int:
 
 
 def peak_rss_gb() -> float:
-    """This process's peak resident memory so far, in GB (launched servers and reward workers
-    are other processes)."""
+    """This process's peak resident memory so far, in GB (not its child processes')."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
 def tree_rss_gb() -> float:
-    """Resident memory of this process and every process below it (reward workers, launched
-    servers) now, in GB (without /proc: this process's peak)."""
+    """Resident GB now of this process and all below it (without /proc: this process's peak)."""
     total, todo, seen = 0, [os.getpid()], set()
     while todo:
         pid = todo.pop()

@@ -1,15 +1,6 @@
-"""One `Registry` type, eight instances: everything selectable by name is looked up here.
-
-`get(name)` gives what was registered (the function or class you can call or construct);
-`spec(name)` gives its spec (`RewardSpec`, `WorkflowSpec`, `AlgorithmSpec`: the object plus what
-its decorator declared).
-
-Names come from three places, in this order:
-1. entry points of installed distributions (the project's own built-ins included), loaded one
-   at a time when asked for;
-2. objects decorated in-process (`@reward(...)` in the user's script);
-3. a dotted ``"package.module:attribute"`` path, as a fallback.
-"""
+"""One `Registry` type, eight instances: everything selectable by name is looked up here, in
+order: entry points of installed distributions (loaded when asked for), in-process decorators
+(`@reward(...)`), then a ``"package.module:attribute"`` path."""
 
 from __future__ import annotations
 
@@ -25,8 +16,7 @@ import attrs
 from areal_flow.types import AlgorithmSpec, RewardSpec, WorkflowSpec
 
 SPEC_ATTR = "__areal_flow_spec__"
-"""Decorators leave the decorated object unchanged (still callable, still picklable by reference)
-and attach its spec under this attribute."""
+"""Decorators attach the spec under this attribute, leaving the object unchanged (picklable)."""
 
 
 class RegistryError(Exception):
@@ -52,8 +42,7 @@ class PluginInfo:
     kind: str
     name: str
     source: str
-    """The distribution (``name version``) that announces it, or ``in-process`` for a decorator
-    that ran in this process without an entry point."""
+    """The announcing distribution (``name version``), or ``in-process``."""
     target: str
     """``module:attribute`` it resolves to."""
 
@@ -72,11 +61,8 @@ def _distribution(ep: EntryPoint) -> str:
 
 
 class Registry:
-    """Names → registered objects of one kind, backed by the entry-point group `group`.
-
-    `wrap(name, obj)` turns an undecorated object (a plain function named by a dotted path or
-    an entry point) into this kind's spec; registries without specs return objects as they are.
-    """
+    """Names → registered objects of one kind, backed by entry-point group `group`; `wrap(name,
+    obj)` makes an undecorated object this kind's spec (without it, objects are returned as is)."""
 
     def __init__(self, kind: str, group: str, wrap: Callable[[str, Any], Any] | None = None):
         self.kind = kind
@@ -93,8 +79,7 @@ class Registry:
     # -- registration -------------------------------------------------------------------
 
     def register(self, name: str, entry: Any) -> Any:
-        """Register `entry` (a spec, or a plain object for registries without specs) in-process
-        and return the decorated object unchanged."""
+        """Register `entry` (a spec or plain object) in-process; returns the object unchanged."""
         target = _target(entry)
         with self._lock:
             old = self._local.get(name)
@@ -131,14 +116,11 @@ class Registry:
         return name in self._local or name in self.entry_points()
 
     def get(self, name: str) -> Any:
-        """What was registered as `name`, as its author wrote it: the decorated function or
-        class (call it, construct it), or the plain object. Imports only what `name` needs."""
+        """What was registered as `name` (the decorated function or class); imports only that."""
         return _target(self.spec(name))
 
     def spec(self, name: str) -> Any:
-        """`name`'s spec: the decorated object with what its decorator declared (a reward's
-        timeout, default, range; a workflow's or algorithm's config class). Registries whose
-        decorators declare nothing (generation pools, loggers) return the object itself."""
+        """`name`'s spec: the object plus what its decorator declared (or the bare object)."""
         with self._lock:
             if name in self._loaded:
                 return self._loaded[name]
@@ -245,9 +227,7 @@ dataset_sources = Registry("dataset source", "areal_flow.dataset_sources")
 """`DatasetSource`s: ``--dataset '<name>:<spec>'`` (`areal_flow.data.offline.source`)."""
 
 def show_options(reg: Registry, name: str) -> None:
-    """Print the options of workflow or algorithm `name` (`reg`: `workflows` or `algorithms`):
-    its config class as tyro's help shows it, each field with its type, default and docstring
-    (`areal-flow plugins --show NAME`; a recipe's `--workflow NAME --help`)."""
+    """Print workflow or algorithm `name`'s config class as tyro's help (`plugins --show NAME`)."""
     import tyro
 
     config = reg.spec(name).config
@@ -266,8 +246,7 @@ def show_options(reg: Registry, name: str) -> None:
 
 
 commands = Registry("command", "areal_flow.commands")
-"""The `areal-flow` subcommands: functions, or callable config classes, that tyro builds from the
-command line and that return the exit status (`areal_flow.cli`)."""
+"""`areal-flow` subcommands: callables tyro builds from the command line, returning exit status."""
 
 ALL = (workflows, rewards, algorithms, generation_pools, loggers, environments, dataset_sources,
        commands)

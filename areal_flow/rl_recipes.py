@@ -1,7 +1,4 @@
-"""What the RL recipes (`gsm8k_grpo.py`, `gsm8k_ppo.py`, `reasoning_gym_grpo.py`) share: the
-prompts, the config fields besides the algorithm, and the pieces their loops call (batch metrics,
-samples, eval). The data is GSM8K or, with ``--dataset reasoning_gym:<task>``, a reasoning-gym
-task; each brings its own default reward, whose `metrics` the panel shows."""
+"""What the RL recipes (gsm8k_grpo, gsm8k_ppo, reasoning_gym_grpo) share: config and loop parts."""
 
 from __future__ import annotations
 
@@ -50,45 +47,31 @@ PROMPT = ("Answer the question. Show short reasoning, then the final number afte
 """A one-shot prompt: SmolLM2-135M then writes '#### N' in about 1 completion of 6."""
 AllocationOption = Annotated[str | None, tyro.conf.arg(
     metavar="'generation: S servers [x tp T], training: R ranks [on ...]'")]
-"""--allocation's one line, kept as text: the grammar is launch's (`launch/allocation.py`),
-loaded only when a run gives one."""
+"""Kept as text: its grammar (`launch/allocation.py`) is loaded only when a run gives one."""
 
 
 @attrs.frozen(kw_only=True)
 class RLConfig(RunConfig):
-    """An RL run on GSM8K; a recipe adds its `algorithm`'s config, of the class that
-    `algorithm_name` declares."""
+    """An RL run; `algorithm` is of the config class that `algorithm_name` declares."""
 
     algorithm_name: Annotated[str, tyro.conf.arg(name="algorithm")] = "grpo"
-    """A registered algorithm (`areal-flow plugins` lists them: grpo, ppo and your plugins') or
-    a 'module:Class' path. Its config's fields become --algorithm.<field> options, which go
-    after it; `--algorithm NAME --help` lists them."""
+    """A registered algorithm or 'module:Class'; its --algorithm.<field> options follow it."""
     algorithm: GRPOConfig = GRPOConfig()
     """The algorithm's options: an instance of the config class `algorithm_name` declares."""
     workflow: str = "rlvr"
     """A registered workflow (see `areal-flow plugins`)."""
     workflow_config: str | None = None
-    """The workflow's config as a YAML/JSON file or inline JSON; default for rlvr: the gsm8k
-    reward, 1 for the right number after a shown calculation (no format credit, which a policy
-    wins by printing '#### <any number>'; no credit for a bare guess, which teaches it to stop
-    reasoning)."""
+    """The workflow's config, a YAML/JSON file or inline JSON; rlvr's default: the gsm8k reward."""
     reward: str | None = None
-    """A registered reward; sets the `reward` field of the workflow's config (rlvr,
-    multi_turn and tool_use have one: a workflow of your own takes --reward when its config
-    class declares `reward: str`)."""
+    """A registered reward: sets the `reward` field of the workflow's config."""
     reward_failure_limit: float = attrs.field(default=0.5, validator=[v.ge(0.0), v.le(1.0)])
-    """Stop the run when a reward fails (timeout, crash, error, out of range: scored as its
-    default; or its `metrics` fail) on more than this fraction of its last 64 calls; 1 never
-    stops."""
+    """Stop when rewards fail on more than this fraction of their last 64 calls (1: never)."""
     reward_worker_max_calls: int = attrs.field(default=1000, validator=v.ge(0))
     """A reward worker process is replaced after this many calls (0: never)."""
     reward_worker_max_rss_gb: float = attrs.field(default=2.0, validator=v.ge(0.0))
-    """Reward workers are replaced when one holds more memory than this after a call (0:
-    never): a reward that leaks cannot grow the run without bound (reward_runner/
-    worker_rss_gb shows their size)."""
+    """Replace a reward worker holding more than this memory after a call (0: never)."""
     eval_size: int = attrs.field(default=64, validator=v.ge(0))
-    """Held-out rows evaluated greedily every `eval_every` steps (64: a 95% interval of about
-    +-6 points near 5% accuracy; 16 could not tell 0% from 10%)."""
+    """Held-out rows evaluated greedily every `eval_every` steps (64: 95% CI +-6 points at 5%)."""
     samples_per_step: int = attrs.field(default=2, validator=v.ge(0))
     """Episodes written to samples.jsonl per step: prompt, completion, reward, every segment."""
     rollout: RolloutConfig = RolloutConfig(batch_size=2, group_size=8, max_staleness=1,
@@ -102,20 +85,15 @@ class RLConfig(RunConfig):
     inference: InferenceConfig = InferenceConfig()
     allocation: AllocationOption = attrs.field(default=None,
                                                converter=attrs.converters.optional(str))
-    """Where everything runs: 'generation: 2 servers x tp 2, training: 4 ranks' (one node:
-    ranks on the first GPUs, servers on the next); '... on 3 nodes x 8 gpus'; '... on cpu'.
-    Sets --inference.backend/server-gpus/tp-size; grammar in areal_flow/launch/allocation.py.
-    Kept in its canonical spelling."""
+    """Where everything runs: 'generation: 2 servers x tp 2, training: 4 ranks' (ranks on the
+    first GPUs), '... on 3 nodes x 8 gpus', '... on cpu'; sets --inference.backend/tp-size/..."""
     dry_run: bool = False
-    """Print where each process would run (--allocation) and how to start them; then exit,
-    before any model or data is read."""
+    """Print where each process would run and how to start them, then exit before loading."""
     critic: TrainConfig = TrainConfig(optim=OptimizerConfig(lr=5e-5), max_tokens_per_mb=4096,
                                       packed_attention=True, compile="auto", dtype="auto")
-    """The critic's training settings, for an algorithm with the critic role (ppo): a value
-    head on the policy's backbone."""
+    """The critic's training settings (ppo: a value head on the policy's backbone)."""
     teacher: str | None = None
-    """The teacher model (a folder or a Hub name), for an algorithm with the teacher role
-    (distill): frozen, scored with --train's settings, and of the same tokenizer as --model."""
+    """The frozen teacher (folder or Hub name) for distill; it must share --model's tokenizer."""
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -146,9 +124,7 @@ class RLConfig(RunConfig):
 
 
 def cli(config_class: type[C], args: Sequence[str] | None = None) -> C:
-    """The recipe's config from the command line (`tyro.cli`), where `--algorithm NAME` picks
-    the type of the `algorithm` field: NAME's config class, starting from its defaults, so that
-    the --algorithm.<field> options that follow are that class's (and `--help` shows them)."""
+    """The recipe's config via `tyro.cli`; `--algorithm NAME` picks the `algorithm` field type."""
     args = list(sys.argv[1:] if args is None else args)
     if any(arg.split("=", 1)[0] == "--allocation" for arg in args):
         from areal_flow.launch.allocation import AllocationError, refuse_replaced_flags
@@ -184,7 +160,6 @@ def cli(config_class: type[C], args: Sequence[str] | None = None) -> C:
 
 
 def _flag(args: list[str], flag: str) -> str | None:
-    """The value of `flag` in `args` (``--flag VALUE`` or ``--flag=VALUE``; the last one)."""
     found = None
     for i, arg in enumerate(args):
         if arg == flag and i + 1 < len(args):
@@ -202,9 +177,7 @@ def usage_error(error: Exception | str) -> NoReturn:
 
 
 def checked(cfg: RLConfig) -> tuple[Any, Any]:
-    """The workflow's config (`workflow_config`) and the algorithm (`algorithm`), before any
-    work; a bad name, file or value among their options is the user's input: one line and
-    exit 2 (`usage_error`), as for a bad option."""
+    """The workflow's config and the algorithm, before any work; bad input exits 2."""
     try:
         return workflow_config(cfg), algorithm(cfg)
     except (ValueError, OSError, registry.RegistryError) as error:
@@ -212,8 +185,7 @@ def checked(cfg: RLConfig) -> tuple[Any, Any]:
 
 
 def algorithm(cfg: RLConfig) -> Any:
-    """The algorithm `cfg` names, built from its options; checked against the rollout (before
-    any model loads)."""
+    """The algorithm `cfg` names, built from its options and checked against the rollout."""
     algo = registry.algorithms.get(cfg.algorithm_name)
     built = algo(cfg.algorithm) if registry.algorithms.spec(cfg.algorithm_name).config else algo()
     needs = AlgorithmCapabilities.of(built).min_group_size
@@ -231,9 +203,7 @@ def algorithm(cfg: RLConfig) -> Any:
 
 
 def run_name(cfg: RLConfig) -> str:
-    """`<task>_<algorithm>`, the run folder's name: the task is the workflow when it is not
-    the generic rlvr, else the dataset (gsm8k by default; a reasoning-gym task; a file's or a
-    Hub dataset's name)."""
+    """`<task>_<algorithm>`, the run folder's name; task: the workflow, or for rlvr the dataset."""
     if cfg.workflow != "rlvr":
         task = cfg.workflow
     elif cfg.dataset is None:
@@ -247,12 +217,8 @@ def run_name(cfg: RLConfig) -> str:
 
 def load_data(cfg: RLConfig, model: str, rank: int,
               workflow_options: Any = None) -> tuple[list[dict], list[dict], str]:
-    """Rank 0 checks the model's config (`check_model`), the teacher's tokenizer
-    (`check_teacher`), reads the train and eval rows and checks they hold the fields the
-    workflow's options name (`check_fields`), before any rank loads weights; a bad --model or
-    --dataset fails on every rank with rank 0's error; rank 0 prints a bad input's (a
-    ValueError, OSError or ImportError: a missing file, field or extra) as one line and exits
-    2, as for a bad option. Other ranks get empty rows."""
+    """Rank 0's (train rows, eval rows, source line), checked before any weights load; other ranks
+    get empty rows. An error fails every rank; rank 0 exits 2 on a bad input (ValueError, ...)."""
     rows, error = ([], [], ""), None
     if rank == 0:
         try:
@@ -274,9 +240,7 @@ def load_data(cfg: RLConfig, model: str, rank: int,
 
 
 def check_fields(dataset: str, options: Any, splits: dict[str, list[dict]]) -> None:
-    """Every row holds each field the workflow's options name: an option called ``*_field``
-    (`RLVRConfig.question_field`, ...) names a field the workflow reads from each row. A row
-    without it would fail every rollout of that row after the weights loaded."""
+    """Each row holds every field a ``*_field`` workflow option names (before weights load)."""
     if not attrs.has(type(options)):
         return
     names = {f.name: getattr(options, f.name) for f in attrs.fields(type(options))
@@ -311,10 +275,8 @@ def check_model(cfg: RLConfig, model: str) -> None:
 
 
 def check_teacher(teacher: str, model: str) -> None:
-    """--teacher names a model that scores the student's tokens as the student reads them: the
-    same tokenizer (every token string to the same id, special tokens included) and an embedding
-    over all of them. The embedding may be larger than the tokenizer (Qwen2.5-7B's pads 152064
-    rows, 0.5B's 151936: both have 151665 tokens, so a 7B teacher fits a 0.5B student)."""
+    """--teacher has --model's tokenizer (every token to the same id) and embeds all its ids; a
+    larger embedding is fine (Qwen2.5-7B pads 152064 rows, 0.5B 151936, for 151665 tokens)."""
     from transformers import AutoConfig, AutoTokenizer
 
     where = {}
@@ -405,9 +367,7 @@ def panel_columns(cfg: RLConfig, *, critic: bool, teacher: bool) -> dict[str, st
 
 @attrs.define
 class EntropyWatch:
-    """Says once when the policy's entropy (the `entropy` metric of a trained step) falls below
-    `fraction` of its first reading: a collapse, after which completions settle into one form,
-    groups go flat and learning stops (docs/when_a_run_does_not_learn.md)."""
+    """Warns once when `entropy` falls below `fraction` of its first reading (a collapse)."""
 
     fraction: float = 0.2
     first: float | None = None
@@ -432,16 +392,13 @@ class EntropyWatch:
 
 @attrs.frozen
 class BatchWait:
-    """What the batch wait (`next_batch`) gave this rank: rank 0's batch, or why the step cannot
-    start; `halted` is the same on every rank."""
+    """What `next_batch` gave: rank 0's batch, or why not; `halted` is the same on all ranks."""
 
     batch: Any = None
     """Rank 0's batch (a TensorDict; `train` scatters it); None on other ranks."""
     stopped: bool = False
-    """A stop request (Ctrl-C, SIGTERM) came while it waited."""
     failure: BaseException | None = None
-    """Why no batch came: rank 0's rollout error (a RolloutError when none came in time); on
-    other ranks a RuntimeError naming it."""
+    """Why no batch came: rank 0's rollout error; on other ranks a RuntimeError naming it."""
 
     @property
     def halted(self) -> bool:
@@ -449,16 +406,12 @@ class BatchWait:
 
 
 HOST_WAIT = 0.002
-"""Seconds a hosting thread waits for engine work before it looks for its batch again: a batch
-that becomes ready meanwhile waits up to this long (at 0.01 the tiny model's synchronous step took
-37 ms, at 0.002 30 ms; SmolLM2's rollout wait was the same at both)."""
+"""Seconds a hosting thread waits for work between batch checks (0.01: 37 ms steps, not 30)."""
 
 
 @contextlib.contextmanager
 def hosting(pool: Any, host: bool = True):
-    """Yields the in-process engine whose steps this thread runs meanwhile (`LocalEngine.hosted`:
-    on its own thread it would decode on a throttled OpenMP team), or None: another pool, or
-    `host` off."""
+    """The engine for this thread to step (its own thread's OpenMP team is throttled), or None."""
     if host and isinstance(pool, LocalEngine):
         with pool.hosted() as engine:
             yield engine
@@ -468,10 +421,8 @@ def hosting(pool: Any, host: bool = True):
 
 def next_batch(scheduler: RolloutScheduler | None, stop: StopRequest, timeout: float,
                host: bool = True) -> BatchWait:
-    """Every rank: rank 0's next batch (the other ranks pass no scheduler), or why there is none:
-    a stop request while it waited, or the rollout's error (a RolloutError when no batch came in
-    `timeout` seconds); with a process group every rank learns which. An in-process engine
-    decodes on this thread while it waits (`hosting`)."""
+    """Every rank: rank 0's next batch (other ranks pass no scheduler), or why there is none,
+    the same on all ranks: a stop request, or the rollout's error (RolloutError at `timeout`)."""
     wait = _wait_for_batch(scheduler, stop, timeout, host) if scheduler is not None \
         else BatchWait()
     if not dist.is_initialized():
@@ -507,11 +458,8 @@ def _wait_for_batch(scheduler: RolloutScheduler, stop: StopRequest, timeout: flo
 
 def evaluate(cfg: RLConfig, scheduler: RolloutScheduler, rows: list[dict], *,
              run: Any = None, step: int = 0) -> dict[str, float]:
-    """Greedy pass@1 on the eval rows: the mean reward, response length and each of the task's
-    metrics (`Episode.metrics`) as eval/<name>, with a 95% Wilson interval for a rate
-    (`Episode.rates`).
-    With `run` (a `RunDir`), each row's episode goes to its eval_samples.jsonl under `step`:
-    the row, the completion's whole exchange after the prompt, the reward and the metrics."""
+    """Greedy pass@1 on `rows`: eval/<metric> (Wilson intervals for rates); with `run` (a
+    `RunDir`), each row's episode goes to eval_samples.jsonl under `step`."""
     if not rows:
         return {}
     greedy = attrs.evolve(cfg.sampling, temperature=0.0)
@@ -540,8 +488,7 @@ def evaluate(cfg: RLConfig, scheduler: RolloutScheduler, rows: list[dict], *,
 
 
 def eval_sample(index: int, row: dict, episode: Any, tokenizer: Any) -> dict[str, Any]:
-    """One held-out row's greedy episode as eval_samples.jsonl holds it (None: it kept
-    failing, and counts as reward 0)."""
+    """A row's greedy episode as eval_samples.jsonl holds it (None: it kept failing; reward 0)."""
     if episode is None:
         return {"index": index, "row": row, "transcript": None, "reward": 0.0, "metrics": {}}
     return {"index": index, "row": row, "transcript": transcript(episode, tokenizer),
@@ -549,8 +496,7 @@ def eval_sample(index: int, row: dict, episode: Any, tokenizer: Any) -> dict[str
 
 
 def transcript(episode: Any, tokenizer: Any) -> list[dict[str, Any]]:
-    """The episode's exchange after its prompt, in order: the model's turns (``"model":
-    true``) and what came between them (tool results, user turns), as the model saw them."""
+    """The episode's segments after its prompt, as the model saw them, each marked ``"model"``."""
     first = next((i for i, seg in enumerate(episode.segments) if seg.trainable),
                  len(episode.segments))
     return [{"model": seg.trainable, "text": tokenizer.decode(list(seg.token_ids))}
@@ -559,9 +505,7 @@ def transcript(episode: Any, tokenizer: Any) -> list[dict[str, Any]]:
 
 def metric_means(metrics: list[dict[str, float]], n: int, rates: set[str]
                  ) -> dict[str, tuple[float, tuple[float, float] | None]]:
-    """Each task metric's mean over `n` rows (a row without it, or without an episode, counts
-    as 0), with a 95% Wilson interval for a rate (named in `rates`: declared 0/1 by its reward
-    or workflow); a value (a count, a length) gets none, whatever values it happened to take."""
+    """Each task metric's mean over `n` rows (missing: 0), with a Wilson interval for `rates`."""
     out = {}
     for name in sorted({name for row in metrics for name in row}):
         total = sum(float(row.get(name, 0.0)) for row in metrics)
@@ -570,8 +514,7 @@ def metric_means(metrics: list[dict[str, float]], n: int, rates: set[str]
 
 
 def wilson_interval(successes: int, n: int, z: float = 1.959963984540054) -> tuple[float, float]:
-    """The Wilson score interval of a binomial proportion (95% for the default z): unlike
-    p ± z·se it stays inside [0, 1] and is not empty at 0 or n successes."""
+    """The Wilson score interval (95% at default z): in [0, 1], not empty at 0 or n hits."""
     if n <= 0:
         raise ValueError(f"wilson_interval needs n >= 1 trials: {n}")
     p = successes / n
@@ -613,9 +556,7 @@ def batch_metrics(cfg: RLConfig, batch, scheduler: RolloutScheduler) -> dict[str
 
 
 def memory_parts(trainer: Any, pool: Any) -> dict[str, float]:
-    """memory/<part>_gb: the known parts of this rank's memory — the policy's weights, the
-    gradients an update allocates, the optimizer's state, an in-process engine's own copies.
-    The rest of memory/peak_rss_gb is activations, the runtime and its libraries."""
+    """memory/<part>_gb: this rank's weights, gradients, optimizer state, in-process engine."""
     out = {f"memory/{part}_gb": gb for part, gb in trainer.memory_gb().items()}
     if isinstance(pool, LocalEngine):
         out["memory/engine_gb"] = pool.memory_gb()
@@ -623,15 +564,12 @@ def memory_parts(trainer: Any, pool: Any) -> dict[str, float]:
 
 
 def component_stats(**components: Any) -> dict[str, float]:
-    """Every component's `stats()` under its name: rollout/..., pool/..., reward_runner/..."""
     return {f"{name}/{key}": float(value) for name, component in components.items()
             for key, value in component.stats().items()}
 
 
 def samples(cfg: RLConfig, batch, scheduler: RolloutScheduler) -> list[dict[str, Any]]:
-    """The first `samples_per_step` episodes of a batch: the prompt, the completion (the
-    model's tokens, every turn), the reward, every segment in order (environment and tool
-    turns included, each marked whether it was trained on), the task's metrics and the info."""
+    """First `samples_per_step` episodes: prompt, completion, reward, segments, metrics, info."""
     shown = min(cfg.samples_per_step, batch.batch_size[0])
     completions = _completions(batch[:shown], scheduler)
     tok = scheduler.tokenizer

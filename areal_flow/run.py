@@ -1,12 +1,5 @@
-"""A training run's folder: `RunConfig` (the options every recipe shares) and `RunDir`.
-
-The folder holds the resolved `config.yaml`, `metrics.jsonl` (one line per step, every
-component's `stats()`), `samples.jsonl` (a few episodes per step, every segment in order),
-`eval_samples.jsonl` (each eval's held-out rows and their greedy episodes),
-`checkpoints/step-N/` (exact-resume state plus a `save_pretrained` model), the servers' logs and
-the trackers' files (`tensorboard/`, `wandb/`). What the user sees is `live_display`; how a run
-is asked to stop, `stop_request`.
-"""
+"""A training run's folder: `RunConfig` (the options every recipe shares) and `RunDir`
+(config.yaml, metrics/samples/eval_samples.jsonl, checkpoints/step-N/, logs, tracker files)."""
 
 from __future__ import annotations
 
@@ -30,9 +23,7 @@ from areal_flow.config import dump, unstructure
 from areal_flow.run_lock import RunLock
 
 COMPLETE = "COMPLETE"
-"""Marker written into a checkpoint folder once everything in it is on disk: a JSON manifest of
-every file's size and SHA-256, checked before the checkpoint is trusted (a manifest of sizes
-alone, or an empty marker, from before, is checked as far as it goes)."""
+"""A checkpoint's marker, written once all is on disk: a manifest of file sizes and SHA-256s."""
 
 
 @attrs.frozen(kw_only=True)
@@ -43,8 +34,7 @@ class RunConfig:
     """HF folder or hub id; default: the packaged SmolLM2-135M-Instruct (converted once)."""
     dataset: str | None = None
     """openai/gsm8k, a local json/jsonl/parquet file, a saved HF dataset, or a reasoning-gym task
-    as 'reasoning_gym:<task>?key=value&...' (areal_flow/data/reasoning_gym.py); default: the
-    packaged GSM8K file, split deterministically into train and eval."""
+    as 'reasoning_gym:<task>?key=value&...'; default: the packaged GSM8K file, split in two."""
     eval_size: int = attrs.field(default=16, validator=v.ge(0))
     """Held-out rows evaluated; 0 turns eval off."""
     eval_every: int = attrs.field(default=8, validator=v.ge(1))
@@ -54,12 +44,9 @@ class RunConfig:
     save_every: int = attrs.field(default=8, validator=v.ge(1))
     """Steps between checkpoints (one is also written at the end and on Ctrl-C / SIGTERM)."""
     keep_checkpoints: int = attrs.field(default=2, validator=v.ge(0))
-    """Newest complete checkpoints kept (an older one is deleted once a newer one is complete;
-    two, so that a damaged newest one leaves one to resume from); 0 keeps all. A SmolLM2-135M
-    checkpoint is about 2 GB."""
+    """Newest complete checkpoints kept (2: a damaged newest one leaves another); 0: all."""
     run_dir: str | None = None
-    """Run folder; default runs/<run name>-<time>, the run name being the recipe's (the RL recipes:
-    <task>_<algorithm>, e.g. gsm8k_grpo)."""
+    """Run folder; default runs/<run name>-<time> (RL recipes: <task>_<algorithm>)."""
     resume: bool = False
     """Continue the run in --run-dir from its newest checkpoint."""
     seed: int = 0
@@ -75,13 +62,11 @@ class RunConfig:
 
 
 class RunDir:
-    """The run folder. A new run refuses a folder that already holds one (unless resuming);
-    resuming drops metric and sample lines after the checkpoint's step, so curves do not fork."""
+    """The run folder; a new run (not `resume`) refuses one that already holds a run."""
 
     def __init__(self, path: str | Path, *, resume: bool = False, keep_checkpoints: int = 0,
                  lock: bool = False):
-        """`lock`: hold the folder for this process's run until `close` (`RunLock`; the
-        recipes' rank 0 does), refusing a folder another live run holds."""
+        """`lock`: hold the folder until `close` (`RunLock`); refuses one another run holds."""
         self.path = Path(path)
         self.resume = resume
         self.keep_checkpoints = keep_checkpoints
@@ -123,7 +108,6 @@ class RunDir:
             (self.path / "config.yaml").write_text(comments + text)
 
     def start_loggers(self, names: Iterable[str], config: Any, step: int) -> None:
-        """Open the named trackers (`registry.loggers`) at `step`; `log_metrics` feeds them."""
         self.loggers = [registry.loggers.get(name)(self.path, config=unstructure(config),
                                                    start_step=step) for name in names]
 
@@ -146,7 +130,6 @@ class RunDir:
         self._append("samples.jsonl", [{"step": step, **s} for s in samples])
 
     def log_eval_samples(self, step: int, samples: Iterable[dict[str, Any]]) -> None:
-        """The held-out rows' greedy episodes of the eval after `step` (`eval_samples.jsonl`)."""
         self._append("eval_samples.jsonl", [{"step": step, **s} for s in samples])
 
     def has_checkpoint(self, step: int) -> bool:
@@ -159,9 +142,7 @@ class RunDir:
         return self.checkpoints / f"step-{step:06d}"
 
     def latest_checkpoint(self) -> tuple[int, Path] | None:
-        """The newest complete checkpoint whose files match its manifest: (step, folder). A
-        damaged one (a file missing, unreadable, of another size or content) is skipped with a
-        warning."""
+        """The newest complete, undamaged checkpoint: (step, folder), or None."""
         done = sorted(p for p in self.checkpoints.glob("step-*") if (p / COMPLETE).exists())
         for path in reversed(done):
             damage = checkpoint_damage(path)
@@ -172,9 +153,8 @@ class RunDir:
 
     def save_checkpoint(self, step: int, trainer: Any, *, extra: Any = None,
                         tokenizer_from: str | Path | None = None, critic: Any = None) -> Path:
-        """Exact-resume state of `trainer` (and `critic`, in `critic/`) with `extra`, plus the
-        policy as a `save_pretrained` model in `hf/`; marked complete once all is on disk, then
-        older checkpoints beyond `keep_checkpoints` are deleted. Every rank calls."""
+        """Exact-resume state of `trainer` (and `critic`, in `critic/`) with `extra`, plus a
+        `save_pretrained` policy in `hf/`; marked complete, then pruned. Every rank calls."""
         from areal_flow.runtime import checkpoint
 
         path = self.checkpoint_dir(step)
@@ -196,9 +176,7 @@ class RunDir:
         return path
 
     def _unwritten(self, path: Path, error: BaseException) -> OSError:
-        """The half-written checkpoint `path` removed (a resume must never meet it), and an
-        error naming the folder, the space a checkpoint takes (the last complete one's size)
-        and the space free."""
+        """Removes half-written `path`; returns an error naming the space needed and free."""
         written = _folder_bytes(path)
         shutil.rmtree(path, ignore_errors=True)
         complete = [p for p in sorted(self.checkpoints.glob("step-*")) if (p / COMPLETE).exists()]
@@ -216,8 +194,7 @@ class RunDir:
         return OSError(code, message) if code else OSError(message)
 
     def prune(self, newest: Path) -> None:
-        """Keep `newest` and the `keep_checkpoints` - 1 complete ones before it; older ones and
-        unfinished folders (left-overs of a crash) go. A no-op when keeping all."""
+        """Keep `newest` and the `keep_checkpoints` - 1 complete ones before; delete the rest."""
         if not self.keep_checkpoints:
             return
         others = sorted(p for p in self.checkpoints.glob("step-*") if p != newest)
@@ -229,8 +206,7 @@ class RunDir:
                 shutil.rmtree(old, ignore_errors=True)
 
     def load_checkpoint(self, trainer: Any, *, critic: Any = None) -> tuple[int, Any]:
-        """Restore `resume_from` into `trainer` (and `critic`) on every rank; returns (its step,
-        its extra state)."""
+        """Restore `resume_from` into `trainer` (and `critic`) on every rank: (step, extra)."""
         if self.resume_from is None:
             raise RuntimeError("load_checkpoint needs a RunDir opened with resume=True")
         from areal_flow.runtime import checkpoint
@@ -242,8 +218,7 @@ class RunDir:
         return step, extra
 
     def truncate_after(self, step: int) -> None:
-        """Forget logged lines of steps after `step` (they are about to be redone). A last line
-        cut short (a crash mid-append) is dropped; a damaged line before it is an error."""
+        """Drop logged lines after `step` and a cut-short last line; an earlier bad line raises."""
         for name in ("metrics.jsonl", "samples.jsonl", "eval_samples.jsonl"):
             file = self.path / name
             if not file.exists():
@@ -269,8 +244,7 @@ class RunDir:
 
 
 def _jsonable(value: Any) -> float | str:
-    """A tensor or numpy number as a float; anything else JSON cannot hold (an episode's info
-    may carry any object) as its str, rather than failing the run at a log line."""
+    """A number as a float, anything else as its str: a log line never fails the run."""
     try:
         return float(value)
     except (TypeError, ValueError):
@@ -287,10 +261,8 @@ def _folder_bytes(folder: Path) -> int:
 
 
 def mark_complete(path: Path) -> None:
-    """Flush every file of checkpoint folder `path` to disk, then write its COMPLETE manifest
-    (atomically, flushed too) of every file's size and SHA-256: after a crash or power loss a
-    marked checkpoint is whole, and damage of any kind is found on resume. The files are read
-    back right after writing, from the page cache (about 1 GB/s: 2 s for SmolLM2's)."""
+    """Flush every file of checkpoint `path`, then atomically write its COMPLETE manifest (sizes,
+    SHA-256): a marked checkpoint is whole after a crash (hashing SmolLM2's takes about 2 s)."""
     files = sorted(f for f in path.rglob("*") if f.is_file() and f.name != COMPLETE)
     manifest = {}
     for file in files:

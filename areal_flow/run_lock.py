@@ -1,14 +1,5 @@
-"""One live run per run folder: a lock that the run holds for its life.
-
-Two runs writing into one folder (a second start, or a `--resume` while the first still runs)
-would interleave their metrics and overwrite each other's checkpoints. The run holds an
-exclusive ``flock`` on ``<run folder>/run.lock`` from start to close. The kernel drops it when
-the holding process dies, however it dies, so a dead run's lock is never in the way: no expiry
-to wait out. The file's text names the holder (host, pid, start time) for the refusal.
-It must be on a filesystem with working locks (local, or NFSv4), as the server leases are.
-The file stays after the run: deleting it on release would let a process that opened the old
-file lock it while a newer one locks a new file of the same name.
-"""
+"""One live run per run folder: a ``flock`` on ``<folder>/run.lock``, dropped however the holder
+dies (needs local or NFSv4 locks); never deleted, lest two processes lock different files."""
 
 from __future__ import annotations
 

@@ -1,11 +1,4 @@
-"""What every training loop repeats around its stations, so that a recipe shows only those.
-
-A recipe's loop is its algorithm: rollout → role forwards → advantages → update → weight sync →
-version (or, for SFT and DPO, batch → update). Around it each recipe needs the same scaffolding:
-the process group, the run folder (locked, resumed, its metrics cut back to the checkpoint), the
-model path, config.yaml and the trackers, the live panel, stop requests (Ctrl-C, SIGTERM),
-checkpoints every `save_every` steps, at the end, on a stop and before a failure ends the run,
-and closing everything on the way out. `Session` is that scaffolding:
+"""What every training loop repeats around its stations (run folder, panel, stops, checkpoints):
 
     with Session(cfg, "gsm8k_sft") as session:     # ranks, run folder, model path
         trainer = TrainEngine(session.model, cfg.train)
@@ -33,13 +26,7 @@ from areal_flow.runtime.distributed import (any_rank, init_distributed, same_on_
 
 
 class Session:
-    """One training run's scaffolding (see the module docstring); use it as a context manager.
-
-    Args:
-        cfg: the recipe's options (`RunConfig`'s fields: run folder, resume, steps, save_every,
-            keep_checkpoints, model, logger).
-        name: the recipe's name, for the default run folder runs/<name>-<time> and the panel.
-    """
+    """A run's scaffolding; `name` (the recipe) heads the panel and names runs/<name>-<time>."""
 
     def __init__(self, cfg: RunConfig, name: str):
         self.cfg, self.name = cfg, name
@@ -59,8 +46,7 @@ class Session:
         self.stop = StopRequest()
         self.display: LiveDisplay | None = None
         self.saved_also: Callable[[], Any] = lambda: None
-        """What checkpoints keep beside the weights (e.g. the rollout's state); `resume`
-        returns what the checkpoint kept."""
+        """What checkpoints keep beside the weights (the rollout's state); `resume` returns it."""
         self._trainer = self._critic = None
         self._stopping = False
 
@@ -68,22 +54,18 @@ class Session:
         return self
 
     def __exit__(self, kind, error, trace) -> None:
-        """Closes the panel, the stop handlers, whatever `closing` was given, the run folder
-        and the process group, in that order; says where the run is after a good end."""
+        """Closes the panel, stop handlers, `closing`'s callables, run folder and process group."""
         with self._closing:
             if kind is None and self.display is not None:
                 self.display.print(f"done: {self.run.path}")
 
     def closing(self, close: Callable[[], Any] | None) -> None:
-        """Call `close` (a server pool's, the rollout's; None: nothing) when the run ends,
-        before the run folder closes; the last given is called first."""
+        """Call `close` (None: nothing) as the run ends, before the run folder; last first."""
         if close is not None:
             self._closing.callback(close)
 
     def resume(self, trainer: Any, *, critic: Any = None) -> Any:
-        """The models checkpoints save; with --resume, loads the newest checkpoint into them
-        and sets `start` to its step. Returns what `saved_also` gave that checkpoint (None
-        without --resume)."""
+        """Sets the models to save; --resume loads them, sets `start`, returns `saved_also`'s."""
         self._trainer, self._critic = trainer, critic
         if not self.cfg.resume:
             return None
@@ -92,9 +74,7 @@ class Session:
 
     def show(self, cfg: Any, *, columns: dict[str, str], note: str = "",
              measured: str = "") -> None:
-        """Rank 0: cuts metrics and samples back to `start`, prints the run's heading and
-        `note`, writes config.yaml (`cfg`, headed by what was `measured` at start) and opens the
-        trackers; every rank: the live panel showing `columns` (`LiveDisplay`)."""
+        """Makes the panel; rank 0 trims logs, prints `note`, writes config.yaml, opens loggers."""
         self.display = LiveDisplay(self.cfg.steps, self.start, enabled=self.rank == 0,
                                    columns=columns)
         if self.rank == 0:
@@ -106,8 +86,7 @@ class Session:
             self.run.start_loggers(self.cfg.logger, cfg, self.start)
 
     def steps(self) -> Iterator[int]:
-        """The steps left, from `start`; the panel shows and a stop request is honoured from
-        the first. Ends after the step at which a stop was requested (`end_step`)."""
+        """The steps left from `start`; ends after the step at which a stop was requested."""
         self._closing.enter_context(self.stop)
         self._closing.enter_context(self.display)
         step = self.start
@@ -118,10 +97,8 @@ class Session:
     def end_step(self, step: int, metrics: dict[str, float] | None = None, *,
                  samples: list[dict] | None = None,
                  failure: BaseException | None = None) -> None:
-        """After step `step` (0-based) trained: rank 0 logs `metrics` and `samples` and updates
-        the panel; then every rank checkpoints it every `save_every` steps, after the last, on
-        a stop request and when `failure` (what ends the run after this step trained) is set
-        on any rank, which is then raised."""
+        """After step `step` (0-based) trained: rank 0 logs and updates the panel; every rank then
+        checkpoints when due, on a stop, or on a `failure` on any rank, which is then raised."""
         done = step + 1
         if self.rank == 0 and metrics is not None:
             self.run.log_metrics(done, metrics)
@@ -145,9 +122,7 @@ class Session:
             self._stopping = True
 
     def stop_before(self, step: int, failure: BaseException | None = None) -> None:
-        """Step `step` cannot start (a stop request, or `failure`: the rollout's error): keeps
-        where the run stands in a checkpoint, then raises `failure` or says how to continue.
-        The loop must end (break) after it."""
+        """Step `step` cannot start: save, raise `failure` or say how to resume; then break."""
         if not self.run.has_checkpoint(step):
             self.checkpoint(step)
         if failure is not None:
@@ -157,7 +132,6 @@ class Session:
         self._stopping = True
 
     def checkpoint(self, step: int) -> None:
-        """Every rank: the models given to `resume` and `saved_also()` as the state after
-        `step` steps."""
+        """Every rank: saves the `resume` models and `saved_also()` as the state after `step`."""
         self.run.save_checkpoint(step, self._trainer, critic=self._critic,
                                  tokenizer_from=self.model, extra=self.saved_also())

@@ -9,12 +9,8 @@ from typing import Any
 
 
 class StopRequest:
-    """The first Ctrl-C or SIGTERM asks the run to stop after the current step, or at once when
-    it is waiting for a batch (it then writes a checkpoint and stops launched servers); a second
-    one of either interrupts at once (KeyboardInterrupt). A second signal within
-    `repeat_window` seconds of the first is the same request, forwarded: under SLURM every
-    process of the job step gets SIGTERM from `scancel`, and torchrun relays its own copy to the
-    ranks it started, so a rank gets two within milliseconds."""
+    """The first Ctrl-C or SIGTERM stops the run after this step (at once if waiting for a batch);
+    another raises KeyboardInterrupt, unless within `repeat_window` (a SLURM or torchrun relay)."""
 
     def __init__(self, repeat_window: float = 1.0) -> None:
         self.requested = False

@@ -1,8 +1,4 @@
-"""Shared types and protocols: the contracts between generation, rollout and training.
-
-This module must not import torch at run time: reward worker processes import
-``areal_flow`` and stay light. Tensor-holding types only name torch in annotations.
-"""
+"""Shared types and protocols; no run-time torch import (reward workers import it, stay light)."""
 
 from __future__ import annotations
 
@@ -22,8 +18,7 @@ FinishReason = Literal["stop", "length", "abort"]
 """Why generation ended: a stop token/string, the token budget, or an explicit cancellation."""
 
 NormalizerUnit = Literal["tokens", "sequences", "constant"]
-"""How the runtime combines `LossOutput.normalizer` across micro-batches and ranks:
-tokens and sequences are summed; a constant is used as it is."""
+"""Over micro-batches and ranks, token/sequence `LossOutput.normalizer`s sum; a constant stays."""
 
 Role = Literal["actor", "ref", "critic", "teacher"]
 
@@ -48,16 +43,13 @@ def _tuple_of_ints(value: Sequence[int]) -> tuple[int, ...]:
 
 
 def derived_seed(*parts: object) -> int:
-    """A sampling seed that is a pure function of `parts` (a run's seed, a group's admission
-    number, an episode's index, ...): the same request gets the same random stream in any
-    process and whatever else runs beside it. A non-negative int64."""
+    """A non-negative int64 seed, a pure function of `parts` (reproducible in any process)."""
     digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") >> 2
 
 
 class RunEndingError(RuntimeError):
-    """An error after which the run must not go on (a reward failing over its limit): the
-    scheduler never retries it as a workflow error; it ends training and evaluation alike."""
+    """Ends training or evaluation (e.g. a reward failing over its limit); never retried."""
 
 
 @attrs.frozen(kw_only=True)
@@ -92,8 +84,7 @@ class SamplingParams:
 
     @property
     def logprob_temperature(self) -> float:
-        """The T in the behavior logprobs ``log_softmax(logits / T)``: greedy requests report T = 1,
-        as SGLang does."""
+        """The T in the behavior logprobs ``log_softmax(logits / T)``; 1 if greedy (as SGLang)."""
         return self.temperature if self.temperature > 0 else 1.0
 
 
@@ -104,8 +95,7 @@ class GenerationRequest:
     input_ids: tuple[int, ...] = attrs.field(converter=_tuple_of_ints)
     sampling: SamplingParams = attrs.field(factory=SamplingParams)
     episode_id: str | None = None
-    """Requests of one episode share it, so a multi-server pool routes them to the same server
-    (its prefix cache already holds the earlier turns)."""
+    """Shared by an episode's requests: a server pool sends them to one server (prefix cache)."""
     rid: str = attrs.field(factory=lambda: uuid.uuid4().hex)
     """Request id, as in SGLang's `rid` (used to abort one request)."""
 
@@ -120,13 +110,12 @@ class Completion:
 
     token_ids: tuple[int, ...] = attrs.field(converter=_tuple_of_ints)
     logprobs: tuple[float, ...] = attrs.field(converter=lambda xs: tuple(float(x) for x in xs))
-    """``log_softmax(logits / T)`` over the full vocabulary at each sampled token, where T is
-    `temperature`; taken after temperature and before top-k/top-p truncation."""
+    """``log_softmax(logits / T)``, T = `temperature`, over the full vocab, before top-k/p."""
     versions: tuple[int, ...] = attrs.field(converter=_tuple_of_ints)
     """Weight version that produced each token (an interrupted request mixes versions)."""
     finish_reason: FinishReason = attrs.field(validator=v.in_(("stop", "length", "abort")))
     temperature: float = attrs.field(default=1.0, validator=v.gt(0.0))
-    """The T of `logprobs` (1.0 for greedy requests); see `SamplingParams.logprob_temperature`."""
+    """The T of `logprobs` (1.0 for greedy requests)."""
     text: str | None = None
 
     def __attrs_post_init__(self) -> None:
@@ -140,8 +129,7 @@ class Completion:
 
 @attrs.frozen(kw_only=True)
 class DistributedWeights:
-    """Metadata of tensors the trainer broadcasts over a weight-update process group
-    (SGLang's `/update_weights_from_distributed`)."""
+    """Metadata of tensors sent over a weight-update group (`/update_weights_from_distributed`)."""
 
     names: tuple[str, ...] = attrs.field(converter=tuple)
     dtypes: tuple[str, ...] = attrs.field(converter=tuple)
@@ -165,14 +153,11 @@ class WeightUpdate:
     dist_meta: DistributedWeights | None = None
     """Tensors that follow over the weight-update group, for `/update_weights_from_distributed`."""
     live: bool = False
-    """`state_dict` holds the trainer's own tensors, which it changes in place: an in-process
-    pool may keep them instead of copying (its `update_weights` returns True), and the trainer
-    then pauses it before each optimizer step; the next update resumes it (`TrainEngine`)."""
+    """`state_dict` is the trainer's own tensors, changed in place: a pool may keep them (returning
+    True); the trainer then pauses it per optimizer step, and the next update resumes it."""
     lora: Mapping[str, Any] | None = None
-    """A PEFT LoRA config: the weights are a LoRA adapter over the base model the pool started
-    with (`areal_flow/lora.py`), not the model itself: `path` is a PEFT adapter folder (SGLang's
-    ``/load_lora_adapter``), `state_dict` holds the adapter tensors (and may hold the base
-    model's too, when `live`)."""
+    """A PEFT LoRA config: the weights are an adapter over the pool's base model (`lora.py`):
+    `path` is a PEFT adapter folder, `state_dict` the adapter tensors (+ base ones if `live`)."""
 
     def __attrs_post_init__(self) -> None:
         given = [f for f in ("state_dict", "path", "dist_meta") if getattr(self, f) is not None]
@@ -185,25 +170,17 @@ class WeightUpdate:
 
 @runtime_checkable
 class GenerationPool(Protocol):
-    """Where workflows get tokens: the in-process local engine or a set of SGLang servers.
-
-    `generate` is async and runs on the rollout scheduler's event loop. The control methods are
-    blocking and thread-safe, because the trainer thread calls them during weight sync.
-    Interruption is invisible: `generate` never returns ``abort`` because of `pause` or
-    `update_weights`; it resubmits prompt + tokens so far after `resume`, and each token keeps
-    the version that produced it. ``abort`` is returned only for an explicit cancellation.
-    """
+    """Where workflows get tokens (local engine or SGLang servers). `generate` is async, on the
+    rollout loop; control methods block and are thread-safe (the trainer calls them). `generate`
+    returns ``abort`` only on cancel: after `pause` it resubmits at `resume`, keeping versions."""
 
     in_process: bool
-    """True when `update_weights` takes an in-memory ``state_dict`` (the pool lives in the
-    trainer's process); False when weights come as a folder or over a weight-update group."""
+    """True: `update_weights` takes an in-memory ``state_dict``; False: folder or weight group."""
 
     @classmethod
     def from_config(cls, config: Any, *, model: str, seed: int = 0,
                     run_dir: Any = None, lora: Any = None) -> GenerationPool:
-        """Build the pool a recipe's `areal_flow.config.InferenceConfig` describes; `lora` is
-        the trainer's `areal_flow.lora.LoraConfig` when it trains LoRA adapters (passed only
-        then), whose adapters the pool will receive as `WeightUpdate.lora`."""
+        """The pool an `InferenceConfig` describes; `lora`: the trainer's `LoraConfig`, if any."""
         ...
 
     @property
@@ -220,8 +197,7 @@ class GenerationPool(Protocol):
     def resume(self) -> None: ...
 
     def update_weights(self, update: WeightUpdate) -> bool | None:
-        """Load new weights and set `version` to ``update.version``. True: the pool kept the
-        tensors of a `live` update instead of copying them."""
+        """Load weights, set `version`; True if it kept a `live` update's tensors (no copy)."""
         ...
 
     def stats(self) -> dict[str, float]:
@@ -259,29 +235,20 @@ class Segment:
 
 @attrs.define(kw_only=True)
 class Episode:
-    """One trajectory: token segments, a scalar reward and free-form `info`.
-
-    Multi-turn discounts are folded into the scalar `reward` by the workflow. All model tokens of
-    one episode must share a logprob temperature, which the trainer uses to recompute logprobs.
-    """
+    """One trajectory: token segments, a scalar reward (multi-turn discounts folded in) and `info`.
+    All its model tokens share one logprob temperature (the trainer recomputes logprobs at it)."""
 
     segments: list[Segment] = attrs.field(factory=list)
     reward: float | None = None
     info: dict[str, Any] = attrs.field(factory=dict)
     """Free-form facts about the episode (JSON-able), written to samples.jsonl with it."""
     metrics: dict[str, float] = attrs.field(factory=dict)
-    """The task's own numbers (e.g. accuracy), averaged over each batch into metrics.jsonl and the
-    live panel, and over eval episodes as eval/<name>. A reward's `metrics` function fills it
-    through `ctx.reward`; a workflow may set more."""
+    """The task's own numbers (e.g. accuracy), averaged per batch and over eval as eval/<name>."""
     rates: set[str] = attrs.field(factory=set, converter=set)
-    """The names in `metrics` that are rates (each value 0 or 1): eval gives their mean a 95%
-    Wilson interval; any other metric is a value (a count, a length: a mean only). A reward's
-    `rates` enter through `ctx.reward`; a workflow adds the rates it sets itself."""
+    """Names in `metrics` that are 0/1 rates (eval: a 95% Wilson interval; others: a mean)."""
     temperature: float | None = None
     truncated: bool = False
-    """The episode did not end, it was cut: its last model turn stopped at its token budget
-    (finish reason `length`), or an environment or turn limit stopped it (gymnasium's
-    `truncated`). Value-based advantages bootstrap instead of treating it as final."""
+    """Cut, not ended (token budget, env or turn limit): value-based advantages bootstrap."""
 
     @classmethod
     def start(
@@ -351,9 +318,8 @@ class Episode:
 
 @attrs.frozen(kw_only=True)
 class ModelOutput:
-    """What a forward pass gives an algorithm, aligned with the batch's ``input_ids``
-    (position t holds the quantity for token t given tokens < t). Log-probs and entropy are
-    computed only where ``loss_mask`` is set and are 0 elsewhere (position 0 always)."""
+    """A forward pass aligned with ``input_ids`` (position t: token t given tokens < t); logprobs
+    and entropy are 0 where ``loss_mask`` is unset (position 0 always)."""
 
     logprobs: torch.Tensor
     """[rows, tokens] log-probability of each given token at the episode's temperature."""
@@ -365,11 +331,8 @@ class ModelOutput:
 
 @attrs.frozen(kw_only=True)
 class LossOutput:
-    """A micro-batch's loss as a sum, plus the normalizer the runtime divides the global sum by.
-
-    The runtime sums `loss_sum` and (for tokens/sequences) `normalizer` over every micro-batch
-    and data-parallel rank of an optimizer step, so the update does not depend on the split.
-    """
+    """A micro-batch's summed loss: the runtime sums `loss_sum` and (tokens/sequences) `normalizer`
+    over a step's micro-batches and DP ranks, then divides, so the split does not matter."""
 
     loss_sum: torch.Tensor
     normalizer: float | torch.Tensor
@@ -381,24 +344,16 @@ class LossOutput:
 class Algorithm(Protocol):
     """Loss steps on tensors; never touches processes, devices or sharding.
 
-    ``roles`` names the models whose forward pass over the batch, before the update, it needs:
-    ``actor`` → ``prox_logprobs`` (the policy before this update), ``ref`` → ``ref_logprobs``,
-    ``critic`` → ``values``, ``teacher`` → ``teacher_logprobs`` (a frozen teacher model of the
-    same tokenizer, e.g. for distillation). An algorithm with the ``critic`` role also defines
-    ``critic_loss(out: ModelOutput, mb: TensorDict) -> LossOutput``.
-
-    Batch keys besides the collated ones (`areal_flow.data.collate`): ``policy_version`` per row
-    (the version being trained, set by the scheduler) and ``minibatch_progress`` per row (the
-    fraction of this batch's optimizer steps already taken, set by the runtime).
-
-    What else an algorithm may declare, each with its default, is `AlgorithmCapabilities`.
-    """
+    ``roles``: models whose pre-update forward it needs: ``actor`` → ``prox_logprobs``,
+    ``ref`` → ``ref_logprobs``, ``critic`` → ``values`` (then also define ``critic_loss(out, mb)
+    -> LossOutput``), ``teacher`` → ``teacher_logprobs`` (frozen, same tokenizer). Rows also
+    carry ``policy_version`` and ``minibatch_progress`` (fraction of the batch's optimizer steps
+    taken). Optional attributes: `AlgorithmCapabilities`."""
 
     roles: tuple[Role, ...]
 
     def advantages(self, batch: TensorDict) -> TensorDict:
-        """Once per batch, without gradients, after the role forwards have filled
-        ``ref_logprobs``/``values``/``prox_logprobs``/``teacher_logprobs``."""
+        """Once per batch, without gradients, after the role forwards filled their keys."""
         ...
 
     def loss(self, out: ModelOutput, mb: TensorDict) -> LossOutput:
@@ -408,18 +363,14 @@ class Algorithm(Protocol):
 
 @attrs.frozen(kw_only=True)
 class AlgorithmCapabilities:
-    """What an `Algorithm` may declare besides `roles`, as attributes of the same names; one it
-    does not declare has the default here. The runtime and the recipes read them through `of`."""
+    """Optional `Algorithm` attributes with their defaults; the runtime reads them through `of`."""
 
     needs_entropy_grad: bool = False
-    """The loss differentiates `ModelOutput.entropy` (otherwise entropy comes without gradient,
-    for stats)."""
+    """The loss differentiates `ModelOutput.entropy` (else entropy has no gradient, for stats)."""
     skips_zero_advantage_rows: bool = False
-    """A row whose ``advantages`` are all 0 contributes nothing to the gradient, so the runtime
-    skips its forward and backward, still counting it in the normalizer."""
+    """Rows with all-zero ``advantages`` skip forward/backward (still counted in normalizer)."""
     min_group_size: int = 1
-    """An algorithm that scores a row against the rest of its group refuses a smaller
-    `--rollout.group-size` at start."""
+    """Smallest `--rollout.group-size` allowed (for algorithms scoring a row against its group)."""
 
     @classmethod
     def of(cls, algorithm: Any) -> AlgorithmCapabilities:
@@ -432,15 +383,13 @@ class AlgorithmCapabilities:
 
 @runtime_checkable
 class DatasetSource(Protocol):
-    """Rows a named source makes: ``--dataset '<name>:<spec>'`` reads them from the source
-    registered as ``<name>`` (`registry.dataset_sources`, entry-point group
-    ``areal_flow.dataset_sources``; reasoning-gym's ``reasoning_gym:<task>?...`` is one)."""
+    """Rows for ``--dataset '<name>:<spec>'``, from the source registered as ``<name>``
+    (`registry.dataset_sources`, entry-point group ``areal_flow.dataset_sources``)."""
 
     reward: str
     """The reward the `rlvr` workflow scores these rows with when no --workflow-config says."""
     prompt_template: str
-    """`rlvr`'s prompt for these rows when no --workflow-config says (``{question}`` is the
-    row's question)."""
+    """`rlvr`'s default prompt for these rows (``{question}`` is the row's question)."""
 
     def train_eval_rows(self, dataset: str, eval_size: int
                         ) -> tuple[list[dict], list[dict], str]:
@@ -448,7 +397,7 @@ class DatasetSource(Protocol):
         ...
 
     def task(self, dataset: str) -> str:
-        """The task's name, for the run folder's (``chain_sum`` of ``reasoning_gym:chain_sum?...``)."""
+        """The task's name for the run folder (``chain_sum`` of ``reasoning_gym:chain_sum?``)."""
         ...
 
 
@@ -471,11 +420,9 @@ class RewardSpec:
     range: tuple[float, float] = attrs.field(default=(0.0, 1.0), converter=tuple)
     """Inclusive (low, high) bounds every score must lie in."""
     metrics: Callable[..., dict[str, float]] | None = None
-    """``metrics(completion, **kwargs) -> {name: number}``, called like the reward after it scored
-    (in the rollout process: cheap checks only); the numbers go to the episode's `metrics`."""
+    """``metrics(completion, **kwargs) -> {name: number}`` into `Episode.metrics` (keep cheap)."""
     rates: tuple[str, ...] = attrs.field(default=(), converter=tuple)
-    """The `metrics` names that are rates (each value 0 or 1, e.g. accuracy): eval gives their
-    mean a 95% Wilson interval. The others are values (counts, lengths, scores): a mean only."""
+    """The `metrics` names that are 0/1 rates (e.g. accuracy); see `Episode.rates`."""
 
     def __attrs_post_init__(self) -> None:
         if self.rates and self.metrics is None:

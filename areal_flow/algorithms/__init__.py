@@ -1,7 +1,4 @@
-"""`@algorithm`: classes of loss steps on tensors (see `areal_flow.types.Algorithm`).
-
-This package's `__init__` stays free of torch; the algorithms themselves live in submodules.
-"""
+"""`@algorithm`: classes of loss steps on tensors (`areal_flow.types.Algorithm`); torch-free."""
 
 from __future__ import annotations
 
@@ -15,8 +12,8 @@ C = TypeVar("C", bound=type)
 
 
 def algorithm(name: str, *, config: type | None = None) -> Callable[[C], C]:
-    """Register a class implementing `areal_flow.types.Algorithm` as algorithm `name`;
-    it is constructed with an instance of `config`. The class is returned unchanged."""
+    """Register a class implementing `areal_flow.types.Algorithm` as `name`, built with a
+    `config` instance; returns the class unchanged."""
     def decorate(cls: C) -> C:
         if not isinstance(cls, type):
             raise TypeError(f"algorithm {name!r} must decorate a class, not {cls!r}")

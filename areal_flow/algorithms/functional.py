@@ -1,10 +1,7 @@
 """The pieces algorithms are built from: advantages, KL estimators, policy and value losses.
 
-Each function is small, works on padded [rows, tokens] tensors with a boolean `mask` of the
-positions that count, and documents its formula. Notation: r reward, A advantage, ρ = π/π_old
-the probability ratio, ε clip range, G group size. Padded positions may hold anything (0, −inf,
-garbage): the losses zero them with `masked` before any exp, so they give 0, never NaN.
-"""
+Tensors are padded [rows, tokens], a bool `mask` marking the positions that count (pads may hold
+−inf: losses zero them). Notation: r reward, A advantage, ρ = π/π_old, ε clip, G group size."""
 
 from __future__ import annotations
 
@@ -24,14 +21,10 @@ def group_advantages(
     leave_one_out: bool = False,
     eps: float = 1e-6,
 ) -> Tensor:
-    """One advantage per row, relative to the other rows of its group.
-
-    mean:          A_i = r_i − mean_g(r)
-    mean+std:      A_i = (r_i − mean_g(r)) / (std_g(r) + eps)       (GRPO; std over the group,
-                                                                    population form)
+    """One advantage per row, relative to its group; 0 in `flat_groups`.
+    mean:          A_i = r_i − mean_g(r)                              (Dr.GRPO)
+    mean+std:      A_i = (r_i − mean_g(r)) / (std_g(r) + eps)         (GRPO; population std)
     leave-one-out: A_i = r_i − mean_{j≠i}(r_j) = G/(G−1) · (r_i − mean_g(r))   (RLOO)
-    Dr.GRPO uses mean only (std_normalize=False) with a constant loss normalizer.
-    A group of one row, or whose rewards are all equal (`flat_groups`), gets A = 0.
     """
     rewards = rewards.float()
     _, index, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
@@ -66,14 +59,9 @@ def scale_rewards(rewards: Tensor, *, scale: float = 1.0, bias: float = 0.0,
 
 def gae(rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float = 1.0,
         lam: float = 1.0, last_values: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Generalised advantage estimation over the masked positions of each row.
-
-    The masked positions are the steps t = 1..T of a row, in order; `rewards` holds the reward of
-    each step (usually only the last one is non-zero) and V(T+1) is the row's `last_values`
-    ([rows]; None: 0, every row ends in a terminal state):
-        δ_t = r_t + γ V_{t+1} − V_t,   A_t = δ_t + γλ A_{t+1},   returns R_t = A_t + V_t.
-    Unmasked positions get 0.
-    """
+    """(advantages, returns) by GAE over each row's masked positions (steps t = 1..T), else 0:
+        δ_t = r_t + γ V_{t+1} − V_t,   A_t = δ_t + γλ A_{t+1},   R_t = A_t + V_t
+    V_{T+1} is `last_values` ([rows]; None: 0, a terminal state)."""
     rewards, values = masked(rewards, mask).float(), masked(values, mask).float()
     advantages = torch.zeros_like(values)
     next_value = torch.zeros(len(values)) if last_values is None else last_values.float()
@@ -88,16 +76,13 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float = 1.0,
 
 
 def masked(x: Tensor, mask: Tensor) -> Tensor:
-    """x where `mask`, else 0: pads may hold ±inf or garbage, and exp(inf) · 0 is NaN in the loss
-    and in its gradient, so losses zero them before any exp or log (their gradient is then 0)."""
+    """x where `mask`, else 0: before any exp, as a pad's exp(inf) · 0 would be NaN."""
     return torch.where(mask, x, 0)
 
 
 KLEstimator = Literal["k1", "k2", "k3"]
-"""Per-token *value* estimators of KL(π‖π_ref) on tokens y ~ π (Schulman, "Approximating KL
-divergence"): E_π[k1] = E_π[k3] = KL exactly, E_π[k2] ≈ KL to second order. They are for the
-reward penalty (`kl_in_reward`). Put in the loss their gradients are not ∇KL(π_θ‖π_ref): E_π[∇k1]
-= 0 and E_π[∇k3] = ∇KL(π_ref‖π_θ), the forward KL; the loss uses `kl_loss` instead."""
+"""Per-token value estimators of KL(π‖π_ref) on y ~ π (Schulman): E[k1] = E[k3] = KL, k2 ≈ KL.
+For the reward penalty (`kl_in_reward`): their gradients are not ∇KL; the loss uses `kl_loss`."""
 
 
 def kl_k1(logp: Tensor, ref_logp: Tensor) -> Tensor:
@@ -120,38 +105,26 @@ KL_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
 
 
 def old_logprobs(batch) -> Tensor:
-    """log π_old of the advantages: the proximal log-probs where the actor's forward recomputed
-    them (the `actor` role), else the behavior log-probs from generation."""
+    """log π_old for advantages: `prox_logprobs` if recomputed (`actor` role), else `logprobs`."""
     return batch["prox_logprobs"] if "prox_logprobs" in batch.keys() else batch["logprobs"]
 
 
 def reference_kl(batch, estimator: str) -> Tensor:
-    """The per-token KL estimate `estimator` (`KL_ESTIMATORS`) of π_old against π_ref
-    (`batch["ref_logprobs"]`, the `ref` role's forward), 0 on pads: the penalty of a reward."""
+    """Per-token KL estimate `estimator` of π_old against `ref_logprobs`, 0 on pads (reward)."""
     mask = batch["loss_mask"]
     return KL_ESTIMATORS[estimator](masked(old_logprobs(batch), mask),
                                     masked(batch["ref_logprobs"], mask))
 
 
 def roles(loss, *others: str) -> tuple[str, ...]:
-    """An algorithm's role forwards before its advantages: the actor's own (π_prox) when
-    `loss.recompute_proximal` (a `PolicyLossConfig`) asks for it, then `others` (critic, ref,
-    teacher)."""
+    """An algorithm's roles: `actor` (π_prox) if `loss.recompute_proximal`, then `others`."""
     return (("actor",) if loss.recompute_proximal else ()) + others
 
 
 def kl_loss(logp: Tensor, ref_logp: Tensor, prox_logp: Tensor, weight: Tensor) -> Tensor:
-    """Per-token KL(π_θ‖π_ref) term for the loss, on tokens sampled by π_behav:
-        L_KL = w · ρ · k3,   ρ = π_θ / π_prox (with gradient),   w = π_prox / π_behav (without)
-    so w·ρ = π_θ/π_behav is the importance ratio from the sampler to π_θ. Uncapped w gives
-        value:     E_behav[w ρ k3] = E_θ[k3] = KL(π_θ‖π_ref)
-        gradient:  ρ·k3 = π_ref/π_prox + ρ (log π_θ − log π_ref) − ρ, so
-                   ∇(w ρ k3) = w ρ (log π_θ − log π_ref) ∇log π_θ   (per sample) and
-                   E_behav[∇] = E_θ[(log π_θ − log π_ref) ∇log π_θ] = ∇KL(π_θ‖π_ref)
-    (the reverse-KL gradient, Tang & Munos 2025; the same per-sample gradient as w ρ̄ k2 with ρ̄ a
-    stop-gradient ratio, but the value is unbiased). Per token this is the gradient of each
-    position's KL with its context held fixed; moving the contexts too is what k1 in the reward
-    does. A capped w (`importance_weight`) trades this exactness for bounded variance."""
+    """Per-token KL(π_θ‖π_ref) loss term on tokens sampled by π_behav: L = w · ρ · k3, with
+    ρ = π_θ/π_prox (with gradient), w = `weight` = π_prox/π_behav (without). Uncapped w: value and
+    expected gradient are exactly KL(π_θ‖π_ref)'s, per position (Tang & Munos 2025)."""
     return weight.detach() * torch.exp(logp - prox_logp) * kl_k3(logp, ref_logp)
 
 
@@ -164,11 +137,8 @@ def ppo_surrogate(
     eps_high: float | None = None,
     dual_clip: float | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Per-token clipped policy loss and where clipping was active.
-
-    ρ = exp(log π − log π_old);  L = −min(ρA, clip(ρ, 1 − ε_low, 1 + ε_high) A)
-    dual clip (c > 1), for A < 0 only:  L = min(L, −c A)  — bounds the loss of very large ρ.
-    """
+    """Per-token clipped policy loss and where clipping was active:
+    L = −min(ρA, clip(ρ, 1 − ε_low, 1 + ε_high) A); dual clip c > 1 (A < 0): L = min(L, −cA)."""
     eps_high = eps_low if eps_high is None else eps_high
     ratio = torch.exp(logp - old_logp)
     unclipped = -ratio * advantages
@@ -185,8 +155,7 @@ def ppo_surrogate(
 
 def importance_weight(prox_logp: Tensor, behav_logp: Tensor,
                       cap: float | None) -> tuple[Tensor, Tensor]:
-    """Decoupled PPO's behavior correction w = π_prox / π_behav = exp(log π_prox − log π_behav),
-    capped at `cap` (None: uncapped). Returns the weight and where the cap applied."""
+    """(w, capped): w = min(π_prox / π_behav, `cap`) (None: uncapped) and where the cap applied."""
     w = torch.exp(prox_logp - behav_logp)
     if cap is None:
         return w, torch.zeros_like(w, dtype=torch.bool)
@@ -195,18 +164,11 @@ def importance_weight(prox_logp: Tensor, behav_logp: Tensor,
 
 def interpolate_proximal(behav_logp: Tensor, current_logp: Tensor, versions: Tensor,
                          prox_version: Tensor, progress: Tensor) -> Tensor:
-    """log π_prox without a forward pass, log-linear in policy versions (per token).
-
-    The token was sampled by version v_b (`versions`), π_prox is version v_p (`prox_version`,
-    per row) and the weights being trained are v_θ = v_p + `progress` (the fraction of this
-    batch's optimizer steps already taken, per row):
+    """log π_prox without a forward pass, log-linear in policy versions (per token):
         log π_prox ≈ log π_b + α (log π_θ − log π_b),   α = (v_p − v_b) / (v_θ − v_b)
-    Exact at both ends: a token of the current version (v_b = v_p) keeps its behavior logprob
-    (the same weights; an inference/trainer numerical mismatch then lands in ρ, not in w), and
-    before the first optimizer step (progress 0) π_prox = π_θ. In between, i.e. stale tokens on
-    the 2nd..M-th mini-batch of a batch, it is an approximation: it assumes log π moves linearly
-    with versions and each optimizer step is 1/M of a version. `current_logp` is detached.
-    """
+    v_b = `versions` (per token), v_p = `prox_version`, v_θ = v_p + `progress` (the fraction of
+    the batch's optimizer steps taken; both per row). Exact for current-version tokens and before
+    the first step; else it assumes log π moves linearly, 1/M of a version per step."""
     v_b = versions.to(torch.float64)
     v_p = prox_version.to(torch.float64)[:, None]
     span = v_p + progress.to(torch.float64)[:, None] - v_b
@@ -215,12 +177,9 @@ def interpolate_proximal(behav_logp: Tensor, current_logp: Tensor, versions: Ten
 
 
 def decoupled_policy_loss(logp: Tensor, mb, config) -> tuple[Tensor, dict[str, Tensor]]:
-    """AReaL's decoupled PPO loss per token for a micro-batch `mb`, and stats that show it:
-        L = w · max(−ρA, −clip(ρ, 1 − ε_low, 1 + ε_high) A)  (+ dual clip),
-        ρ = π_θ / π_prox,   w = min(π_prox / π_behav, cap)   (w carries no gradient)
-    `config` is a `PolicyLossConfig`; π_behav, π_prox as `behavior_and_proximal` gives them, and
-    w, π_prox as `behavior_weight` changes them for `config.mismatch_correction`.
-    """
+    """AReaL's decoupled PPO loss per token of micro-batch `mb` (`config`: a `PolicyLossConfig`),
+    and its stats: L = w · max(−ρA, −clip(ρ, 1 − ε_low, 1 + ε_high) A) (+ dual clip), with
+    ρ = π_θ / π_prox and w = min(π_prox / π_behav, cap) without gradient (`behavior_weight`)."""
     mask = mb["loss_mask"]
     logp = masked(logp, mask)
     behav, prox, weight, capped, stats = behavior_weight(logp, mb, config)
@@ -240,9 +199,8 @@ def decoupled_policy_loss(logp: Tensor, mb, config) -> tuple[Tensor, dict[str, T
 
 
 def behavior_and_proximal(logp: Tensor, mb) -> tuple[Tensor, Tensor]:
-    """(log π_behav, log π_prox), 0 on pads. π_behav is `mb["logprobs"]` (from generation);
-    π_prox is `mb["prox_logprobs"]` when the runtime recomputed it (the algorithm has the `actor`
-    role), else `interpolate_proximal` from the masked `logp` (see there for when that is exact)."""
+    """(log π_behav, log π_prox), 0 on pads: `mb["logprobs"]`, and `mb["prox_logprobs"]` if
+    recomputed, else `interpolate_proximal` from the masked `logp`."""
     mask = mb["loss_mask"]
     behav = masked(mb["logprobs"], mask)
     if "prox_logprobs" in mb.keys():
@@ -253,16 +211,8 @@ def behavior_and_proximal(logp: Tensor, mb) -> tuple[Tensor, Tensor]:
 
 def rollout_mismatch(logp: Tensor, mb) -> tuple[Tensor, Tensor]:
     """(log π_train, known): the trainer's logprob of each token at the weights that sampled it,
-    where that is known exactly, and where (0 elsewhere). π_rollout = `mb["logprobs"]` is the
-    inference engine's logprob at the same weights, so log π_train − log π_rollout there is pure
-    numerical mismatch (kernels, dtype, batching), no policy change.
-
-    Known: loss tokens of the version being trained (`versions == policy_version`: the trainer
-    holds exactly those weights until this batch's first optimizer step), taking
-    `mb["prox_logprobs"]` when recomputed (a forward pass before the update: every mini-batch),
-    else `logp` (detached) on the first mini-batch only (`minibatch_progress == 0`). Stale tokens
-    came from weights the trainer no longer has: never known. Without `versions` or
-    `policy_version` in `mb` (a hand-built micro-batch) nothing is."""
+    where known (loss tokens of the trained version: `prox_logprobs`, else `logp` on the first
+    mini-batch), else 0; log π_train − `mb["logprobs"]` is then pure numerical mismatch."""
     mask = mb["loss_mask"]
     keys = mb.keys()
     if "versions" not in keys or "policy_version" not in keys:
@@ -295,8 +245,7 @@ def drop_sequences(log_ratio: Tensor, known: Tensor, band: tuple[float, float]) 
 
 
 def drop_geometric(log_ratio: Tensor, known: Tensor, band: tuple[float, float]) -> Tensor:
-    """Every token of a row whose geometric-mean r over its known tokens, exp(mean log r), is
-    outside `band`; a row without known tokens is kept."""
+    """Every token of a row whose geometric-mean r over known tokens is outside `band`."""
     count = known.sum(-1, keepdim=True)
     mean = masked(log_ratio, known).sum(-1, keepdim=True) / count.clamp(min=1)
     return _outside(mean, count > 0, band).expand_as(known)
@@ -310,8 +259,7 @@ def decoupled_weight(prox: Tensor, behav: Tensor, train: Tensor, known: Tensor,
 
 def truncated_weight(prox: Tensor, behav: Tensor, train: Tensor, known: Tensor,
                      config) -> tuple[Tensor, Tensor, Tensor]:
-    """TIS on the known tokens: π_prox := π_train and w = min(π_train/π_rollout, mismatch_cap);
-    `decoupled_weight` elsewhere."""
+    """TIS: on known tokens π_prox := π_train, w = min(π_train/π_rollout, mismatch_cap)."""
     prox = torch.where(known, train, prox)
     _, weight, capped = decoupled_weight(prox, behav, train, known, config)
     tis, tis_capped = importance_weight(prox, behav, config.mismatch_cap)
@@ -326,20 +274,12 @@ MISMATCH_CORRECTIONS = {
     "sequence_mask": (decoupled_weight, drop_sequences),
     "geometric_mask": (decoupled_weight, drop_geometric),
 }
-"""(weight, drop) of each `PolicyLossConfig.mismatch_correction`: the behavior weight, and the
-tokens whose loss is zeroed, from r = π_train/π_rollout on the known tokens."""
+"""(weight, drop) of each `PolicyLossConfig.mismatch_correction`; drop zeroes tokens' loss."""
 
 
 def behavior_weight(logp: Tensor, mb, config) -> tuple[Tensor, Tensor, Tensor, Tensor, dict]:
-    """(log π_behav, log π_prox, w, capped, stats): the behavior weight w (no gradient) that the
-    policy surrogate and the KL term carry, with `config.mismatch_correction` applied, and the
-    `mismatch/...` stats of the micro-batch. `logp` is already masked. On the tokens where
-    π_train is known (`rollout_mismatch`), r = π_train/π_rollout, C = `mismatch_cap`:
-        none:         w = min(π_prox/π_behav, importance_weight_cap)    (`decoupled_weight`)
-        tis:          π_prox := π_train and w = min(r, C) on known tokens; none's elsewhere
-        *_mask:       none's w, times 0 on the tokens `drop_tokens`/`_sequences`/`_geometric` drop
-    With π_prox recomputed, none's w on a known token already is min(r, cap): tis then only caps
-    it at C; without, none's w there is 1 (π_prox := π_behav) and tis is what corrects it."""
+    """(log π_behav, log π_prox, w, capped, stats): the detached behavior weight of surrogate and
+    KL term under `config.mismatch_correction`, and `mismatch/...` stats; `logp` is masked."""
     mask = mb["loss_mask"]
     weigh, drop = MISMATCH_CORRECTIONS[config.mismatch_correction]
     behav, prox = behavior_and_proximal(logp, mb)
@@ -367,11 +307,8 @@ def behavior_weight(logp: Tensor, mb, config) -> tuple[Tensor, Tensor, Tensor, T
 
 
 def actor_loss(out, mb, config):
-    """The policy's `LossOutput` for GRPO and PPO: the decoupled policy loss, plus β·`kl_loss`
-    per token when the KL penalty is in the loss (its gradient is β·∇KL(π_θ‖π_ref) whatever
-    `kl_estimator` says: that one is for the reward), minus the entropy bonus, aggregated as
-    `config.loss.aggregation` says. `config` has `loss`, `kl_coef`, `kl_estimator`,
-    `kl_in_reward` and `entropy_coef` (`GRPOConfig`, `PPOConfig`)."""
+    """The policy's `LossOutput` for GRPO and PPO (`config`): decoupled policy loss + β·`kl_loss`
+    (unless `kl_in_reward`) − entropy bonus, aggregated by `config.loss.aggregation`."""
     mask = mb["loss_mask"]
     n = mask.sum().clamp(min=1)
     per_token, stats = decoupled_policy_loss(out.logprobs, mb, config.loss)
@@ -390,9 +327,7 @@ def actor_loss(out, mb, config):
 
 
 def actor_loss_skips_zero_advantage(config) -> bool:
-    """Whether `actor_loss` and its gradient are 0 on a row whose advantages are all 0 (the
-    runtime then gives it no forward: `skips_zero_advantage_rows`): neither a KL term in the
-    loss nor an entropy bonus."""
+    """Whether `actor_loss` is 0 on rows of all-zero advantages (no KL loss, no entropy bonus)."""
     return (config.kl_coef == 0 or config.kl_in_reward) and config.entropy_coef == 0
 
 
@@ -441,11 +376,8 @@ def aggregate(per_token: Tensor, mask: Tensor, aggregation: str, stats: dict):
 
 def overlong_penalty(lengths: Tensor, *, max_length: int, cache: int,
                      factor: float = 1.0) -> Tensor:
-    """DAPO's soft overlong punishment, added to the reward:
-        0                                  if L ≤ max − cache
-        −factor · (L − (max − cache)) / cache   if max − cache < L ≤ max
-        −factor                            if L > max
-    """
+    """DAPO's soft overlong punishment, added to the reward: 0 up to L = max − cache, then
+    linear down to −factor at L = max, −factor beyond."""
     start = max_length - cache
     soft = -factor * (lengths.float() - start) / max(cache, 1)
     return torch.where(lengths <= start, torch.zeros_like(soft),

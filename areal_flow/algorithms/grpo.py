@@ -1,19 +1,8 @@
 """GRPO with the decoupled (asynchronous) PPO objective.
 
-advantages: A_i = group-relative task reward (mean, or mean/std, or leave-one-out), the same for
-every model token of row i; an optional KL penalty against the reference goes into the loss or
-the advantage (never through the task reward's std, nor hiding a flat group):
-    kl_in_reward:  A_i = Â_g(r)_i − β (K_i − mean_g K),   K_i = Σ_t k(log π_old, log π_ref)_t
-loss per model token (π_θ current, π_prox the policy before this update, π_behav the policy that
-generated the token):
-    w = min(π_prox / π_behav, cap)                         (behavior correction, always applied;
-        `PolicyLossConfig.mismatch_correction` changes it on tokens of the trained version: TIS
-        min(π_train / π_rollout, C) or a mask, see `F.behavior_weight`; `mismatch/...` stats)
-    L = w · max(−ρA, −clip(ρ, 1 − ε_low, 1 + ε_high) A),  ρ = π_θ / π_prox   (+ dual clip)
-      + β · w ρ k3 − c_H · H(π_θ)            (KL term `F.kl_loss`: gradient β ∇KL(π_θ ‖ π_ref))
-aggregated per token or per sequence (`PolicyLossConfig.aggregation`).
-
-"""
+advantages: A_i = group-relative task reward (`F.group_advantages`) on every model token of row
+i; with `kl_in_reward`, minus β (K_i − mean_g K), K_i = Σ_t k(log π_old, log π_ref)_t.
+loss (`F.actor_loss`): decoupled PPO + β · `F.kl_loss` − c_H · H(π_θ), per token or sequence."""
 
 from __future__ import annotations
 
@@ -41,12 +30,11 @@ class GRPOConfig:
     """beta of the KL penalty against the reference model; 0 needs no reference."""
     kl_estimator: Literal["k1", "k2", "k3"] = attrs.field(
         default="k1", validator=v.in_(tuple(F.KL_ESTIMATORS)))
-    """KL estimator of the penalty in the advantage (kl_in_reward): only k1's policy gradient is
-    the reverse-KL gradient; k2, k3 are lower-variance values. The loss ignores it (F.kl_loss)."""
+    """KL estimator of the advantage's penalty (kl_in_reward; the loss uses F.kl_loss): only k1's
+    policy gradient is the reverse-KL one; k2, k3 are lower-variance values."""
     kl_in_reward: bool = False
-    """Put the KL penalty in the advantage, -beta * (K_i - mean_group K) with K_i the row's summed
-    per-token KL, instead of beta * F.kl_loss in the loss. A flat-reward group then learns from
-    the KL alone; `flat_group` marks it either way."""
+    """Put the KL penalty in the advantage, -beta * (K_i - mean_group K), not beta * F.kl_loss in
+    the loss; a flat-reward group then learns from the KL alone."""
     entropy_coef: float = attrs.field(default=0.0, validator=v.ge(0.0))
     """Entropy bonus coefficient."""
 

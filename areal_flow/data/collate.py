@@ -12,14 +12,10 @@ from areal_flow.types import Episode
 
 
 def collate_groups(groups: Sequence[Sequence[Episode]], pad_token_id: int = 0) -> TensorDict:
-    """Right-pad every episode to the longest one; rows of a group are adjacent.
-
-    Keys: ``input_ids``, ``attention_mask``, ``loss_mask`` (model tokens only), ``logprobs``
-    (behavior; 0 elsewhere), ``versions`` (-1 on prompt, environment and padding tokens),
-    ``rewards``, ``group_ids`` (index of the group in `groups`), ``temperature``, ``truncated``
-    (the episode's last model turn hit its token budget), ``metrics`` (each episode metric per
-    row, NaN where an episode has none) and ``info`` (the episodes' info dicts, not tensors).
-    """
+    """Right-pad every episode to the longest; rows of a group are adjacent. Keys: ``input_ids``,
+    ``attention_mask``, ``loss_mask`` (model tokens), ``logprobs`` (behavior; 0 elsewhere),
+    ``versions`` (-1 elsewhere), ``rewards``, ``group_ids`` (index in `groups`), ``temperature``,
+    ``truncated`` (last model turn hit its budget), ``metrics`` (NaN where missing), ``info``."""
     rows = [(gid, ep) for gid, group in enumerate(groups) for ep in group]
     if not rows:
         raise ValueError("cannot collate an empty batch")

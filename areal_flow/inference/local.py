@@ -1,18 +1,7 @@
 """The local engine: a transformers causal LM generating in-process, with continuous batching.
 
-One background thread owns the model and a left-padded KV cache of the running sequences. Each
-loop iteration admits waiting requests (prefilled together and merged into the running batch),
-then decodes one token for every running sequence; finished sequences leave at once.
-
-Interruption: `pause()` drops the KV cache and puts running requests back at the head of the
-queue with their tokens so far; after `resume()` they are re-prefilled (prompt + tokens so far)
-under whatever weights are loaded then, so no token is decoded from a stale cache, and every
-token keeps the version that produced it. Callers of `generate` never see this.
-
-Prefix sharing: requests admitted together with the same prompt (a GRPO group) prefill their
-longest common context once and copy its KV rows for each; only what differs (tokens generated
-before an interruption) runs per request. Each still samples its first token on its own.
-"""
+One thread owns the model and a left-padded KV cache, decoding a token per running row each step;
+`pause()` requeues running requests, re-prefilled after `resume()` (tokens keep their versions)."""
 
 from __future__ import annotations
 
@@ -55,13 +44,7 @@ def resolve_device(device: str) -> torch.device:
 
 
 def _set_thread_pool_size(threads: int) -> None:
-    """The calling thread's OpenMP pool size, leaving other threads' alone.
-
-    torch.set_num_threads would set it for the whole process (MKL's count included), so an
-    in-process engine at 1 thread would also drop the trainer to 1. OpenMP keeps the count per
-    thread (MKL's GNU-threaded kernels follow it), so the engine sets its own through the
-    OpenMP runtime torch loaded.
-    """
+    """Set this thread's OpenMP pool only (torch.set_num_threads would set the trainer's too)."""
     torch.get_num_threads()  # torch's lazy per-thread init first, or it would undo the setting
     try:
         set_pool = ctypes.CDLL(None).omp_set_num_threads
@@ -74,8 +57,6 @@ def _set_thread_pool_size(threads: int) -> None:
 
 @attrs.define(eq=False)
 class _Sequence:
-    """A request while the engine holds it."""
-
     request: GenerationRequest
     future: concurrent.futures.Future
     generator: torch.Generator | None
@@ -95,28 +76,14 @@ class LocalEngine:
 
     Args:
         model: a `save_pretrained` folder (or hub id when online).
-        dtype: weights' dtype, or "auto": the one that decodes this model's shapes faster here
-            (bf16 on a GPU; `runtime/precision.py`), in `precision`.
+        dtype: weights' dtype, or "auto": the faster for this model here (`runtime/precision.py`).
         device: torch device, or ``"auto"`` (CUDA when available, else CPU).
-        max_batch_size: most sequences decoded together; more requests wait in a queue.
-        seed: seeds the sampling of requests that do not carry their own seed.
-        version: the version of the weights loaded at start.
-        share_prefix: prefill a prompt shared by requests admitted together once (off: each
-            request prefills its whole context, for comparisons).
-        threads: intra-op threads of the engine thread (None: the process's torch default).
-        kv_slots: keep each layer's KV cache in buffers with room to grow, so a decode step
-            writes its column in place (off: transformers' concatenation, for comparisons).
-        pack_weights: bf16 on a CPU: linear layers read weights prepacked for oneDNN once per
-            update instead of repacked every call (`packed_weights`; off: for comparisons).
-        grouped_attention: on a CPU, attention reads grouped key/value heads in place, masked
-            (`grouped_attention`; off: transformers' sdpa, for comparisons).
-        fused_decode: on a CPU, for Llama-family models, decode steps run the model's layers
-            directly (`decode_step`; the same logits bit for bit in its tests, without
-            transformers' per-step plumbing, 1.06x in bf16; off: for comparisons). It was off
-            for a while: tests/test_learning.py's bf16 test, then over three seeds, failed in
-            2 of 4 runs with it on, but failed as often with it off; over 12 seeds at eta = 1
-            the mean reward of bf16 rollouts was 0.516 with it on and 0.503 off (sd 0.06).
-    """
+        max_batch_size: most sequences decoded together; more wait in a queue.
+        seed: seeds the sampling of requests without a seed of their own.
+        threads: intra-op threads of the engine thread (None: torch's default).
+        share_prefix, kv_slots, pack_weights, grouped_attention, fused_decode: speed-ups, off
+            only for comparisons (a group's prompt prefilled once; `kv_batch`, `packed_weights`,
+            `grouped_attention`, `decode_step`: 1.06x in bf16)."""
 
     def __init__(
         self,
@@ -185,7 +152,6 @@ class LocalEngine:
         self._idle = True
         self._closing = False
         self._hosted = False
-        """Whether a caller runs the steps (`hosted`), not the engine thread."""
         # Owned by the thread that steps (the engine thread, or the caller within `hosted`):
         self._running: list[_Sequence] = []
         self._kv = KVBatch(self.model.config, slots=kv_slots)
@@ -201,8 +167,7 @@ class LocalEngine:
     @classmethod
     def from_config(cls, config, *, model: str, seed: int = 0, run_dir=None,
                     lora=None) -> LocalEngine:
-        """The pool a recipe asked for with `InferenceConfig` (every pool class has this). A
-        LoRA trainer's adapter layers are added at its first weight update."""
+        """See `GenerationPool.from_config`; LoRA adapter layers come with the first update."""
         return cls(model, dtype=config.dtype, device=config.device,
                    max_batch_size=config.max_batch_size, seed=seed, threads=config.threads)
 
@@ -221,8 +186,7 @@ class LocalEngine:
             raise
 
     def submit(self, request: GenerationRequest) -> _Sequence:
-        """Queue `request`; its future resolves to the `Completion`. A request the model cannot
-        run raises ValueError here, before it could join (and fail) a batch of others."""
+        """Queue `request` (`.future` gives its `Completion`); ValueError now if it cannot run."""
         for field, ids in (("input_ids", request.input_ids),
                            ("stop_token_ids", request.sampling.stop_token_ids)):
             if ids and not (0 <= min(ids) and max(ids) < self.vocab_size):  # C speed, each call
@@ -250,16 +214,13 @@ class LocalEngine:
         return seq
 
     def abort(self, rid: str | None = None) -> None:
-        """Explicit cancellation: the request (every request when `rid` is None) returns at once
-        with ``finish_reason="abort"`` and its tokens so far."""
+        """Cancel `rid` (None: all): it returns at once, ``abort``, with its tokens so far."""
         with self._cv:
             self._abort[rid] = self._totals.submitted
             self._cv.notify_all()
 
     def pause(self, wait: bool = True) -> None:
-        """Interrupt running requests and hold them until `resume`. With `wait`, returns once no
-        forward pass is in progress, so weights can be changed safely; without it (e.g. from
-        `on_step`, on the engine thread), the pause takes effect before the next step."""
+        """Hold requests until `resume`; `wait`: until no forward runs (else: at the next step)."""
         with self._cv:
             self._paused = True
             self._cv.notify_all()
@@ -276,20 +237,13 @@ class LocalEngine:
         return self._paused
 
     def set_version(self, version: int) -> None:
-        """Relabel the loaded weights (SGLang's `/update_weight_version`); tokens generated from
-        now on carry `version`."""
+        """Relabel the loaded weights for new tokens (SGLang's `/update_weight_version`)."""
         self.weights.relabel(version)
 
     def update_weights(self, update: WeightUpdate) -> bool:
-        """Load a state dict or a `save_pretrained` folder; interrupts running requests, which
-        continue under the new weights. A bucketed update sends a subset of the tensors per call:
-        calls that keep the version accumulate, and the call that changes it must complete the
-        model's tensors since the last change (a missing name is a ValueError, never a silent
-        partial update).
-
-        A `live` update of every tensor, in the engine's dtype and device, is kept rather than
-        copied (no second copy of the weights in memory, nothing to copy at later updates);
-        returns True then. Its owner must pause the engine before changing them."""
+        """Load a state dict or folder. Bucketed: calls keeping the version accumulate; the one
+        changing it must complete the tensors (else ValueError). A `live` update matching the
+        engine's dtype and device is kept, not copied (True); its owner pauses the engine first."""
         was_paused = self._paused
         self.pause()
         try:
@@ -299,8 +253,7 @@ class LocalEngine:
                 self.resume()
 
     def remove_adapter(self) -> None:
-        """Serve the base model again: the adapter's B matrices are zeroed, so its layers add
-        nothing (they stay, to take the next adapter of the same shape)."""
+        """Serve the base model: zero the adapter's B matrices (its layers stay for the next)."""
         was_paused = self._paused
         self.pause()
         try:
@@ -310,9 +263,7 @@ class LocalEngine:
                 self.resume()
 
     def memory_gb(self) -> float:
-        """What the engine's weights hold beyond the trainer's, in GB: its own copy (nothing
-        when it reads the trainer's tensors, `live` updates) and the packed copies its linear
-        layers read (`packed_weights`)."""
+        """GB held beyond the trainer's weights: own copy (none if `live`) plus packed copies."""
         packed = sum(m.weight.numel() * m.weight.element_size() for m in self.model.modules()
                      if type(m) is torch.nn.Linear and "forward" in m.__dict__)
         return ((0 if self.weights.shared else self.weight_bytes) + packed) / 2**30
@@ -354,18 +305,9 @@ class LocalEngine:
 
     @contextlib.contextmanager
     def hosted(self):
-        """Within: the engine's steps run on the calling thread, one per `step` call, instead of
-        on the engine thread (which ends, and starts again after). For a thread that would only
-        wait for the engine meanwhile, e.g. a trainer waiting for its batch.
-
-        Why: torch's OpenMP runtime (libgomp) keeps a team of threads per thread that computes,
-        for as long as that thread lives, and while more team threads exist than CPUs it lets
-        none of them spin between parallel regions: each of a decode step's ~250 regions then
-        waits for its helper to wake. The trainer's thread keeps its team, so the engine thread
-        decoded on a throttled team (1.6-1.8x slower in bf16 on 2 CPUs; benchmarks/decode.py's
-        "hosted" rows). Hosted, the steps run on the trainer's own team, and the engine
-        thread's team ends with it.
-        """
+        """Within: the caller (e.g. a trainer awaiting its batch) runs the steps via `step`, since
+        libgomp throttles teams outnumbering CPUs: the engine thread's decoded 1.6-1.8x slower
+        (bf16, 2 CPUs, benchmarks/decode.py "hosted"). The engine thread restarts after."""
         with self._cv:
             if self._hosted:
                 raise RuntimeError("the local engine's steps are hosted by another caller already")
@@ -383,8 +325,7 @@ class LocalEngine:
                     self._thread.start()
 
     def step(self, timeout: float) -> None:
-        """One engine step on the calling thread, within `hosted()`; waits up to `timeout`
-        seconds for work when there is none."""
+        """One engine step within `hosted()`; waits up to `timeout` seconds for work."""
         if not self._hosted:
             raise RuntimeError("LocalEngine.step runs only within LocalEngine.hosted()")
         self._step(timeout, background=False)
@@ -392,16 +333,13 @@ class LocalEngine:
     # -- the engine thread --------------------------------------------------------------
 
     def _loop(self) -> None:
-        """The engine thread: steps until the engine closes or a caller hosts the steps."""
         if self.threads is not None:
             _set_thread_pool_size(self.threads)
         while self._step(timeout=None, background=True):
             pass
 
     def _step(self, timeout: float | None, background: bool) -> bool:
-        """One step on the calling thread: admit and prefill what waits, then decode. Waits up
-        to `timeout` (None: for ever) for work first. False when the thread should stop: the
-        engine closes, or (the engine thread) a caller hosts the steps."""
+        """Wait up to `timeout` (None: ever) for work, prefill, decode; False: the thread stops."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
             self._drain_aborts_locked()
@@ -436,8 +374,7 @@ class LocalEngine:
         return True
 
     def _fail_running(self, seqs: list[_Sequence], exc: Exception) -> None:
-        """`seqs` fail with `exc`, and the running batch, which a failure left in no known
-        state, is emptied."""
+        """Fail `seqs`; empty the running batch, which a failure left in no known state."""
         for seq in seqs:
             _settle(seq.future, exc)
         self._running = []
@@ -470,8 +407,7 @@ class LocalEngine:
             self._finish(seq, "abort")
 
     def _prefill(self, admitted: list[_Sequence]) -> None:
-        """Prefill `admitted` into the running batch: each group's (same prompt) longest common
-        context once, copied per request, then what differs in a second forward."""
+        """Prefill a same-prompt group's common context once, copied per request; then the rest."""
         contexts = [seq.context for seq in admitted]
         groups: dict[object, list[int]] = {}
         for i, seq in enumerate(admitted):
@@ -529,8 +465,7 @@ class LocalEngine:
 
     def _sample_and_advance(self, logits: torch.Tensor, first_row: int,
                             decode_started: float | None = None) -> None:
-        """Sample one token for running rows from `first_row` on, record it, retire finished.
-        A decode step (`decode_started`: when it began) is counted before anyone hears."""
+        """Sample a token for rows from `first_row` on; retire finished rows after stats count."""
         rows = self._running[first_row:]
         tokens, logprobs = sample(logits, [s.request.sampling for s in rows],
                                   [s.generator for s in rows])
@@ -575,13 +510,11 @@ class LocalEngine:
     # -- the running batch ---------------------------------------------------------------
 
     def _join(self, cache, mask: torch.Tensor, admitted: list[_Sequence]) -> None:
-        """Prefilled rows join the running batch (its KV rows and its list alike)."""
         self._kv.append(cache, mask)
         # lists are replaced, never mutated: abort() may read them from another thread
         self._running = [*self._running, *admitted]
 
     def _keep(self, rows: list[int]) -> None:
-        """Keep only `rows` of the running batch."""
         self._running = [self._running[i] for i in rows]
         self._kv.keep(rows)
 
@@ -598,8 +531,6 @@ def _settle(future: concurrent.futures.Future, outcome: object) -> None:
 
 @attrs.define
 class _Counters:
-    """Cumulative counts, incremented by the engine thread."""
-
     submitted: int = 0
     generated: int = 0
     prefilled: int = 0

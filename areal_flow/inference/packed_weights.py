@@ -1,20 +1,9 @@
-"""Linear layers of the engine's model reading weights prepacked for oneDNN's bf16 kernels.
+"""Linear layers reading weights prepacked for oneDNN's bf16 CPU kernels.
 
-A bf16 `F.linear` on the CPU hands the weight to oneDNN, which lays it out in its blocked (AMX /
-AVX-512) format on every call: at decode's few rows that is a second pass over every weight per
-step, and the step runs at about half the memory bandwidth. Packed once per weight update, the
-same kernel reads the blocked copy directly (the result is the same computation, bit for bit).
-The layers keep their own weights: updates load into them as before, and `pack` runs again.
-The packed copies are a second copy of those weights (+240 MB resident on SmolLM2-135M).
-
-Projections of one input are packed together (`SIBLINGS`: a Llama-family attention's query, key
-and value, an MLP's gate and up): one product reads all their weights, and each projection
-returns its slice of it. At decode's rows a product has a fixed cost that small ones pay in full:
-measured on SmolLM2's shapes at 8 rows (2 cores, AMX), query, key and value took 90 µs as three
-products and 37 µs as one, gate and up 140 and 121 µs; one step calls 30 of each. At decode's
-row counts the slices equal the separate products bit for bit; at a prefill's, oneDNN may block
-a narrow product (key, value) differently, so those differ in the last bits.
-"""
+A bf16 CPU `F.linear` re-blocks its weight every call (decode at half the memory bandwidth);
+packed once per update, the kernel reads the copy, bit for bit (+240 MB on SmolLM2-135M).
+`SIBLINGS` share one product: q, k, v 37 vs 90 µs (8 rows, 2 cores, AMX); bit for bit at decode's
+row counts, prefill's narrow k, v may differ in the last bits."""
 
 from __future__ import annotations
 
@@ -24,11 +13,9 @@ BATCH_HINT = 16
 """Rows oneDNN tunes the packed layout for (decode's batches: any row count works)."""
 
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-"""Attribute names of linear layers that a module always applies to the same input (Llama,
-Qwen2 and Mistral attention and MLP modules): packed as one product."""
+"""Linear layers a module applies to one input (Llama/Qwen2/Mistral attention, MLP)."""
 
 ATTRIBUTE = "packed_siblings"
-"""The module attribute that holds its packed `Siblings` (`siblings(module)` reads it)."""
 
 DEVICES = {"cpu"}
 """Device types whose linear layers run on oneDNN (a GPU's run on cuBLAS: nothing to pack)."""
@@ -42,9 +29,8 @@ def available(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def pack(model: torch.nn.Module) -> int:
-    """Point every bf16 `nn.Linear` of `model` at a packed copy of its current weight (again
-    after each update), siblings (`SIBLINGS`) at one packed product; returns how many layers
-    read packed weights."""
+    """Point every bf16 `nn.Linear` at a packed copy of its weight (rerun after each update),
+    `SIBLINGS` at one product; returns how many layers read packed weights."""
     unpack(model)
     packed: set[torch.nn.Module] = set()
     for module in model.modules():
@@ -94,11 +80,9 @@ def linear(weight: torch.Tensor, bias: torch.Tensor | None = None):
 
 
 class Siblings:
-    """Linear layers of one input packed as one product; `forwards()` gives each layer's
-    forward, its slice of the product. The product of an input is computed at the first layer's
-    call and kept until every layer has taken its slice (then dropped: a prefill's products
-    held in every layer would be a large part of memory); a layer called again, or with
-    another input, computes it afresh."""
+    """Linear layers of one input as one product; `forwards()` gives each layer its slice. The
+    product is kept from the first call until every layer took its slice (then dropped, saving a
+    prefill's memory); a repeated layer or another input recomputes it."""
 
     def __init__(self, layers: list[torch.nn.Linear]):
         biases = [layer.bias for layer in layers]
@@ -115,7 +99,6 @@ class Siblings:
         return self._forward(x)
 
     def parts(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """Every layer's output of `x`, in the order the layers were given: one product."""
         product = self._forward(x)
         return [product[..., part] for part in self._slices]
 

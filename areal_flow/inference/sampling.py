@@ -1,5 +1,4 @@
-"""Sampling one token per running sequence, each with its own settings and generator, and the
-behavior log-probability the trainer's importance weights need."""
+"""One token per running sequence (own settings and generator) and its behavior logprob."""
 
 from __future__ import annotations
 
@@ -11,17 +10,8 @@ def sample(
     params: list,
     generators: list[torch.Generator | None],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row with each row's own sampling settings.
-
-    Returns the tokens and their behavior logprobs ``log_softmax(logits / T)`` over the full
-    vocabulary (T = 1 for greedy rows), taken before top-k/top-p/min-p truncation. `logits`
-    may be bf16: the arithmetic is float32.
-
-    A few passes over the vocabulary per row, because at decode's small batches this is a
-    tenth of a step: one division (and cast), the row maximum, one exp, a sum for the
-    normaliser, and a cumulative sum to search; only the chosen tokens' log-probs are taken,
-    never the whole log_softmax.
-    """
+    """Tokens and behavior logprobs ``log_softmax(logits / T)`` (T = 1 if greedy; full vocab,
+    before truncation; float32 math). Few vocab passes: at small batches it is 1/10 of a step."""
     device = logits.device
     temperature = torch.tensor([p.logprob_temperature for p in params], device=device)
     scaled = logits / temperature[:, None]  # float32: the temperatures are

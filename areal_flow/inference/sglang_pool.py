@@ -1,15 +1,8 @@
 """Generation pool `sglang`: SGLang servers (or `areal-flow serve`) over HTTP.
 
-One event loop, in a thread the pool owns, does all HTTP and owns all state (servers, in-flight
-counts, sticky routes, pause state), so nothing needs a lock. `generate` hands each request to that
-loop from the caller's loop; `pause`, `resume`, `update_weights` and the other control methods block
-the calling (trainer) thread until the loop has done them.
-
-Its parts, one module each, mixed into `SGLangPool` and sharing its state:
-- `sglang_routing`: routing, interruption and resubmission, failures, request ids;
-- `sglang_weights`: pausing, weight updates (disk, weight-update group), LoRA adapters;
-- `sglang_servers`: membership, health, leases, the control calls.
-"""
+One event loop, in a thread the pool owns, does all HTTP and owns all state, so nothing needs a
+lock; control methods block the calling thread until it has done them. Parts mixed in: requests
+(`sglang_routing`), weights (`sglang_weights`), servers (`sglang_servers`)."""
 
 from __future__ import annotations
 
@@ -40,36 +33,12 @@ __all__ = ["LORA_NAME", "GenerationError", "SGLangPool", "WeightUpdateError"]
 
 
 class SGLangPool(Routing, Weights, Servers):
-    """`GenerationPool` over SGLang servers (see the module docstring).
-
-    Args:
-        addresses: ``host:port`` (or URL) of each server.
-        addresses_file: a file of addresses, one a line (``#`` comments), re-read when it changes.
-            Give exactly one of `addresses` and `addresses_file`.
-        version: the version of the weights the servers start with.
-        tokenizer: a tokenizer folder/name; when given, `Completion.text` is decoded here from all
-            tokens (exact across resubmissions, and works with ``--skip-tokenizer-init``);
-            otherwise it joins the servers' texts of each resubmission.
-        request_timeout: seconds one ``/generate`` call may take (None: no limit).
-        control_timeout: seconds a control call may take (weight loads, joining a group).
-        pause_timeout: seconds a pause or resume call may take (they take well under a second);
-            a server slower than that (frozen, overloaded) is taken out of rotation instead of
-            holding up the weight update for `control_timeout`.
-        connect_timeout: seconds to open a connection.
-        health_timeout: seconds a health check may take (SGLang's takes ~1 s, and up to ~20 s
-            before answering 503 while its generation is paused); a server holding requests that
-            does not answer one within this is taken out.
-        no_server_timeout: seconds a request waits for a server in rotation before failing.
-        retries: retries of a control call on connection errors, and resubmissions of one request
-            after server failures (or unexplained aborts) without new tokens.
-        refresh_interval: seconds between re-reading the addresses file and health-checking
-            servers out of rotation, and those in rotation that hold requests.
-        sticky_capacity: most episode ids remembered for sticky routing (oldest forgotten).
-        leases: this run's leases (`launch/lease.py`), for servers another run may use too.
-        base: a LoRA run's base model, as the servers can load it (a folder or hub name), when
-            they are not its own: a LoRA adapter runs over whatever base a server holds, so a
-            server loads this first (from disk) unless it still holds the model it started with.
-    """
+    """`GenerationPool` over the servers at `addresses`, or listed in `addresses_file` (one a
+    line, ``#`` comments; re-read when it changes). With `tokenizer`, `Completion.text` is decoded
+    from all tokens, else the servers' texts are joined. Times are in seconds; a server slower than
+    `pause_timeout` or `health_timeout` (SGLang's check: ~1 s, ~20 s while paused) is taken out.
+    `retries` counts per control call and per request without new tokens; `base` is a LoRA run's
+    base model, loaded on servers that are not its own."""
 
     def __init__(
         self,
@@ -114,7 +83,6 @@ class SGLangPool(Routing, Weights, Servers):
         self._refresh_interval = refresh_interval
         self._sticky_capacity = sticky_capacity
         self._leases = leases
-        """This run's leases on its servers (`launch/lease.py`): none taken when None."""
         self._refused: dict[str, str] = {}
         """Servers this run may not use now (leased by another run), with the reason."""
         self._base = base
@@ -126,17 +94,15 @@ class SGLangPool(Routing, Weights, Servers):
         self._active: dict[str, Active] = {}
         self._groups: dict[str, list[Server]] = {}
         self._disk: tuple[str, int] | None = None
-        """The last update from disk: (folder, version)."""
         self._adapter: tuple[str, int] | None = None
         """The latest LoRA adapter folder and its version, once weights come as adapters."""
         self._over_group = False
         """The latest weights came over a weight-update group (no folder holds them)."""
         self._paused = False
         self._epoch = 0
-        """Pauses so far: an abort during another epoch than its submission's is an interruption."""
+        """Pauses so far: an abort in another epoch than its submission's is an interruption."""
         self._closed = False
         self._launcher = None
-        """Servers this pool launched (`from_config`), stopped by `close`."""
         self._counts: collections.Counter[str] = collections.Counter()
         self._tasks: set[asyncio.Task] = set()
 
@@ -155,10 +121,8 @@ class SGLangPool(Routing, Weights, Servers):
     @classmethod
     def from_config(cls, config, *, model: str, seed: int = 0, run_dir=None,
                     lora=None) -> SGLangPool:
-        """The pool a recipe asked for with `InferenceConfig`: the given servers, or servers it
-        launches on `server_gpus` (stopped when the pool closes), with LoRA enabled for the
-        trainer's `lora` (`areal_flow.lora.LoraConfig`). Fails at once, naming the addresses,
-        if no server answers."""
+        """The pool `InferenceConfig` asks for: its servers, or servers launched on `server_gpus`
+        (stopped on close) with LoRA enabled for `lora`. Fails, naming them, if none answers."""
         from areal_flow.data.offline import cache_dir
         from areal_flow.launch.lease import Leases, ServerLeased, default_holder
         from areal_flow.inference.launcher import (
@@ -251,9 +215,8 @@ class SGLangPool(Routing, Weights, Servers):
         self._call(self._locked(self._resume_locked))
 
     def update_weights(self, update: WeightUpdate) -> None:
-        """Load new weights on every server and set `version` (pausing meanwhile unless already
-        paused): from a folder (`update.path`), or over the weight-update group
-        (`update.dist_meta`; the caller broadcasts the tensors while this call runs)."""
+        """Load new weights on every server (paused meanwhile) and set `version`: from
+        `update.path`, or over the weight-update group (the caller broadcasts meanwhile)."""
         if update.state_dict is not None:
             raise ValueError(
                 "the SGLang pool takes weights as a folder ('path') or over a weight-update group "
@@ -262,8 +225,7 @@ class SGLangPool(Routing, Weights, Servers):
         self._call(self._update_weights(update))
 
     def stats(self) -> dict[str, float]:
-        """Counts since the last call (requests, resubmissions after an interruption, retries,
-        servers taken out, tokens) and the servers now."""
+        """Counts since the last call, and the servers now."""
         return self._call(self._stats())
 
     def close(self) -> None:
@@ -284,20 +246,15 @@ class SGLangPool(Routing, Weights, Servers):
     # -- more control ---------------------------------------------------------------------
 
     def abort(self, rid: str | None = None) -> None:
-        """Explicit cancellation: the request (every request when `rid` is None) returns with
-        ``finish_reason="abort"`` and its tokens so far. A request whose submission races with
-        the abort may finish instead, as with SGLang's ``/abort_request``."""
+        """Abort `rid` (all when None): it returns ``finish_reason="abort"`` with its tokens so
+        far; one racing its submission may finish instead, as with ``/abort_request``."""
         self._call(self._abort(rid))
 
     def refresh(self) -> None:
-        """Re-read the addresses file and health-check servers out of rotation now (the periodic
-        refresh does the same every `refresh_interval` seconds, and starts the liveness checks of
-        servers holding requests)."""
+        """Re-read the addresses file and health-check the servers now."""
         self._call(self._refresh(force=True))
 
     def servers(self) -> list[dict[str, Any]]:
-        """The servers known now: address, whether in rotation, answering (healthy), waiting for
-        weights it missed (stale), in-flight requests, version."""
         def snapshot() -> list[dict[str, Any]]:
             return [{"address": s.address, "in_rotation": s.in_rotation, "healthy": s.healthy,
                      "stale": s.stale, "inflight": s.inflight, "routed": s.routed,
@@ -306,24 +263,19 @@ class SGLangPool(Routing, Weights, Servers):
         return self._call(self._run(snapshot))
 
     def weight_group_size(self, ranks_per_server: int = 1) -> int:
-        """World size of a weight-update group over the answering servers now (stale ones too):
-        the trainer plus `ranks_per_server` (the servers' tp size) ranks per server."""
+        """World size of a weight-update group: 1 + `ranks_per_server` * answering servers."""
         return self._call(self._run(lambda: 1 + ranks_per_server * len(self._answering())))
 
     def init_weight_group(self, master_address: str, master_port: int, backend: str = "nccl",
                           group_name: str = "weight_update_group", world_size: int | None = None,
                           ranks_per_server: int = 1) -> None:
-        """``/init_weights_update_group`` on every answering server (server i at rank offset
-        1 + i * ranks_per_server); blocks until the trainer joins as rank 0 too, so run it
-        concurrently with that (`areal_flow.runtime.weight_sync.connect`). `world_size`, when
-        given, must match those servers."""
+        """``/init_weights_update_group`` on every answering server (server i at rank 1 + i *
+        ranks_per_server); blocks until the trainer joins as rank 0, so run both concurrently."""
         self._call(self._init_group(master_address, master_port, backend, group_name, world_size,
                                     ranks_per_server))
 
     def begin_weight_update(self, group_name: str = "weight_update_group") -> None:
-        """Open a weight-update session (``/begin_weight_update``) on every member of the group:
-        SGLang refuses ``/update_weights_from_distributed`` outside one. On failure, the sessions
-        opened are closed again."""
+        """Open a weight-update session on every group member; a refusal ends all, then retries."""
         self._call(self._locked(lambda: self._begin_session(group_name)))
 
     def end_weight_update(self, group_name: str = "weight_update_group") -> None:

@@ -1,35 +1,11 @@
-"""The SGLang pool's requests: routing each to a server, resubmitting it after an interruption
-or a failure, and joining its replies into one `Completion`.
+"""The SGLang pool's requests: routing, resubmission, and joining replies into one `Completion`.
 
-- **Routing.** Each request goes to the server in rotation with the fewest in-flight requests;
-  requests of one `episode_id` stick to one server while it stays in rotation (its prefix cache
-  holds the earlier turns), and a resubmitted request goes back to the server it was on.
-- **Interruption**: `pause` calls ``/pause_generation`` ``{"mode": "abort"}`` on every
-  server, so running requests come back with ``finish_reason.type == "abort"`` and their tokens so
-  far; the pool keeps those tokens, waits for `resume`, and resubmits prompt + tokens so far with
-  the remaining ``max_new_tokens``. Tokens, logprobs and per-token versions are concatenated, so a
-  caller never sees the abort. A sampled request with a seed is resubmitted with a seed derived
-  from (seed, tokens so far): it stays reproducible for the same interruption points, and the
-  continuation does not replay the random numbers that drew the first tokens.
-- **Failures.** A connection error, reset or timeout takes the server out of rotation (counted in
-  ``dead_servers``) and the request is resubmitted elsewhere with the tokens it had before that
-  attempt; nothing already received is lost. So does a reply labelled with a version that is not
-  the pool's integer (SGLang's ``"default"``: the server restarted), whose tokens are dropped.
-  Taking a server out cancels its ``/generate`` calls in flight, so their requests continue
-  elsewhere at once: a frozen server (SIGSTOP) would otherwise hold them for the request timeout.
-  The periodic refresh (every `refresh_interval`, 1 s) health-checks (``GET /health``) each server
-  in rotation that holds requests, one check at a time, and takes out one that does not answer
-  within the health budget; so a server that freezes is out after ~`health_timeout` (31 s in all
-  by default), even when no pause comes to notice it. Servers out of rotation are health-checked
-  by the same refresh and come back once they answer, after catching up on the weights. SGLang's
-  ``/health`` generates one token after ~1 s and, while generation is paused, is held and answers
-  503 after ~20 s: the health budget is 30 s, a 5xx is an answer, and no health check runs (or
-  counts) while the pool itself is paused. Control calls retry connection errors with backoff
-  (stamina).
-- **Request ids.** Each attempt goes out under a fresh id: 32 hex digits, a dash, and the
-  request's own id: SGLang's ``/abort_request`` aborts every id that starts with the given one, so
-  no id sent may be a prefix of another.
-"""
+Requests go to the least-loaded server in rotation, staying on their `episode_id`'s (its prefix
+cache holds earlier turns). `pause` aborts running requests; the pool keeps their tokens and, on
+`resume`, resubmits prompt + tokens so far (a seeded one with a seed derived from both, so it
+never replays the first draws): callers never see the abort. A dead server, or one that restarted
+(weight version ``"default"``), is taken out and its requests resume elsewhere. Each attempt's id
+is ``<32 hex>-<rid>``: ``/abort_request`` aborts every id it prefixes; none may prefix another."""
 
 from __future__ import annotations
 
@@ -113,7 +89,6 @@ def _token_versions(meta: dict, n: int) -> list[int]:
 
 
 class Routing:
-    """The pool's part that carries requests to servers (mixed into `SGLangPool`)."""
 
     async def _generate(self, request: GenerationRequest) -> Completion:
         if request.rid in self._active:
@@ -194,8 +169,7 @@ class Routing:
 
     async def _route(self, active: Active) -> Server:
         """The server for the next attempt: the previous one, else the episode's, else the least
-        loaded (ties: the one given fewer requests so far); after a 5xx answer, any other server
-        in rotation before the one that gave it."""
+        loaded; after a 5xx, any other server before the one that gave it."""
         rotation = self._rotation()
         if not rotation:
             try:
@@ -248,8 +222,7 @@ class Routing:
         return body
 
     async def _on_server(self, server: Server, coro: Coroutine) -> Any:
-        """Awaits `coro` as a task of `server`'s, which `_take_out` cancels: that reads here as
-        `ServerDown`; a cancellation of the caller (explicit abort, close) propagates."""
+        """Await `coro` as a task `_take_out` may cancel (then `ServerDown`; ours propagates)."""
         post = asyncio.ensure_future(coro)
         server.posts.add(post)
         try:

@@ -1,29 +1,11 @@
-"""The SGLang pool's servers: who is in rotation, their health, the control calls to them.
+"""The SGLang pool's servers: membership, health, leases, and the control calls to them.
 
-- **Membership.** With `addresses_file` (one ``host:port`` a line), the file is re-read when it
-  changes: new servers join, removed ones leave rotation (their in-flight requests finish). A
-  server that joins, or comes back, first gets the latest weights: ``/update_weights_from_disk``
-  with the last folder and version, or, before any update, the version label
-  (``/update_weight_version``). When the latest weights came over the weight-update group, no
-  folder holds them: the server is *stale*, out of rotation (logged, and shown by `servers()` and
-  `stats()`), until an update reaches it whole: the next one from disk, or one over a new group
-  (`areal_flow.runtime.weight_sync.connect` includes stale servers). Catching a server up holds
-  the control lock, so a `pause` meanwhile waits for it; a joining server is not caught up while
-  the pool is paused (a weight update may be under way), and is itself paused while it loads:
-  SGLang answers 400 to an update it applied when requests still run (the cache flush after it
-  is refused), so the pool updates only paused servers and, after a 400, reads the version the
-  server reports before deciding. A server new to the pool is first sent ``/end_weight_update``:
-  a run killed between begin and end leaves SGLang's session open, refusing every later begin,
-  and anyone may end it; a refused begin likewise ends every member's session and begins again.
-- **Leases.** With `leases` (`launch/lease.py`; `from_config` for servers it did not launch),
-  the pool holds a server's lease before it sends it anything and renews it every third of its
-  time, in a task of its own (a catch-up must not delay it): a server another live run holds is
-  never admitted (logged, and `from_config` fails naming the holder when no server is left), so
-  two runs never write weights into one server.
-- **Control calls.** A call to one server retries connection errors with backoff (stamina): the
-  request was never sent, so this is safe for every endpoint. A server that does not answer is
-  taken out of rotation, which cancels its ``/generate`` calls in flight.
-"""
+A server that joins (the addresses file is re-read when it changes) or comes back first gets the
+latest weights, never while paused; if they came over a weight-update group, it stays *stale*,
+out of rotation, until an update reaches it whole. A new server is sent ``/end_weight_update``
+first: a run killed between begin and end leaves a session that refuses every later begin. Leases
+(`launch/lease.py`) keep two runs from writing into one server. Control calls retry connection
+errors with backoff (the request was never sent, so this is safe for every endpoint)."""
 
 from __future__ import annotations
 
@@ -49,8 +31,7 @@ class ServerDown(Exception):
 
 
 class ServerError(Exception):
-    """The server answered 5xx: it is alive (its health checks decide more), the request is
-    retried, on another server where there is one."""
+    """The server answered 5xx: it is alive; the request is retried elsewhere where possible."""
 
 
 
@@ -70,10 +51,8 @@ class Server:
     posts: set[asyncio.Task] = attrs.field(factory=set)
     """Its /generate calls in flight: taking it out cancels them (a frozen server never answers)."""
     checking: bool = False
-    """A liveness check (`_check_alive`) is under way."""
     known: bool = False
-    """This pool caught it up, and it still reports the label given then: its weights are this
-    run's. (Another run, or a restart, changes the label.)"""
+    """This pool caught it up and it still reports that label: its weights are this run's."""
 
     @property
     def url(self) -> str:
@@ -108,7 +87,6 @@ def lora_error(response: httpx.Response) -> str:
 
 
 class Servers:
-    """The pool's part that keeps its servers (mixed into `SGLangPool`, whose state it reads)."""
 
     def _rotation(self) -> list[Server]:
         return [s for s in self._servers.values() if s.in_rotation]
@@ -130,8 +108,7 @@ class Servers:
     async def _post(self, server: Server, path: str, body: dict | None = None, *,
                     method: str = "POST", timeout: httpx.Timeout | None = None,
                     retry: bool = True) -> httpx.Response:
-        """One control call; connection errors are retried with backoff (the request was never
-        sent, so this is safe for every endpoint)."""
+        """One control call, retrying connection errors."""
         attempts = self._retries + 1 if retry else 1
         try:
             async for attempt in stamina.retry_context(
@@ -160,9 +137,8 @@ class Servers:
         return response.json() if response.content else {}
 
     async def _applied(self, server: Server, body: dict) -> bool:
-        """After a refused weight update: whether it took effect anyway. SGLang loads the
-        weights, then answers 400 when the cache flush after them is refused (a request still
-        running); the version it reports tells."""
+        """After a refused weight update, whether it applied anyway (SGLang loads, then answers
+        400 when a running request blocks the cache flush), by the version the server reports."""
         version = body.get("weight_version")
         if version is None:
             return False
@@ -175,9 +151,8 @@ class Servers:
 
     async def _on_healthy(self, path: str, body: dict, *, strict: bool = False,
                           timeout: httpx.Timeout | None = None) -> list[Server]:
-        """The same control call on every healthy server at once; a server that does not answer
-        (within `timeout`, default the control timeout) is taken out (it catches up when it comes
-        back). With `strict`, a refusal is an error. Returns the servers that did it."""
+        """The same control call on every healthy server at once; one that does not answer is
+        taken out, a refusal is an error with `strict`. Returns the servers that did it."""
         servers = [s for s in self._servers.values() if s.healthy]
         results = await asyncio.gather(*(self._post(s, path, body, timeout=timeout)
                                          for s in servers), return_exceptions=True)
@@ -215,9 +190,7 @@ class Servers:
                 log.exception("refreshing the SGLang servers failed")
 
     async def _renew_periodically(self) -> None:
-        """Every third of a lease's time, in a task of its own: the refresh holds the control
-        lock through a joining server's catch-up, which lasts as long as loading a model, and
-        a lease must not expire meanwhile."""
+        """Renew leases every third of their time, separately: a catch-up may hold the refresh."""
         while True:
             await asyncio.sleep(self._leases.ttl / 3)
             try:
@@ -226,8 +199,7 @@ class Servers:
                 log.exception("renewing the leases on the SGLang servers failed")
 
     def _renew_leases(self) -> None:
-        """A server whose lease another run took over (this one was not renewed in time) leaves
-        rotation, before this run writes into it again."""
+        """A server whose lease another run took over leaves rotation before we write into it."""
         for address in self._leases.renew():
             server = self._servers.get(address)
             log.error("SGLang server %s: this run's lease on it expired and another run took "
@@ -236,11 +208,8 @@ class Servers:
                 server.healthy = False
 
     async def _refresh(self, force: bool = False) -> None:
-        """Sync with the addresses file; start liveness checks of servers holding requests; bring
-        answering servers (back) into rotation after they catch up with the latest weights.
-        Health checks run without the control lock (a server that does not answer must not delay
-        a pause); catching up takes it, and waits while paused, since a weight update may be
-        under way."""
+        """Sync with the addresses file, start liveness checks, and admit answering servers once
+        caught up. Health checks skip the control lock: a silent server must not delay a pause."""
         async with self._refreshing:
             if self._file is not None:
                 self._read_file(force)
@@ -300,10 +269,8 @@ class Servers:
         return health.status_code == 200
 
     async def _check_alive(self, server: Server) -> None:
-        """Health-checks a server in rotation that holds requests: nothing else notices one that
-        froze while no pause comes (max_staleness 0). One that does not answer within the health
-        budget is taken out, which sends its requests elsewhere (`_take_out`); a 5xx answer is
-        an answer."""
+        """Health-check a server in rotation that holds requests (nothing else notices one frozen
+        while no pause comes): silence within the health budget takes it out; a 5xx answers."""
         epoch = self._epoch
         try:
             await self._post(server, "/health", method="GET", retry=False,

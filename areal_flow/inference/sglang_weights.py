@@ -1,15 +1,9 @@
-"""The SGLang pool's weights: pausing, updates from a folder or over a weight-update group,
-LoRA adapters, and catching a joining server up.
+"""The SGLang pool's weights: pausing, updates (folder, weight-update group, LoRA), catching up.
 
-- **LoRA.** Weights that come as a LoRA adapter folder (`WeightUpdate.lora`) are loaded on each
-  server as ``/unload_lora_adapter`` of the previous one, ``/load_lora_adapter`` under
-  `LORA_NAME`, then ``/update_weight_version``; from then on every ``/generate`` names it in
-  ``lora_path``, and a joining server gets the latest adapter the same way. The servers must run
-  with LoRA enabled (`from_config` launches them so). An adapter runs over whatever base a
-  server holds, so a LoRA run attaching to servers (`base`) first loads its base model on each
-  from disk, unless the server reports that folder and was never updated; one that cannot is
-  refused, named with the ``model_path`` and version it reports.
-"""
+A LoRA adapter folder (`WeightUpdate.lora`) replaces the previous one on each server (LoRA enabled)
+under `LORA_NAME`, which every ``/generate`` then names. An adapter runs over whatever base a
+server holds, so a LoRA run attaching to servers (`base`) first loads its base model on each,
+unless the server still holds it unchanged; one that cannot is refused."""
 
 from __future__ import annotations
 
@@ -27,7 +21,6 @@ LORA_NAME = "policy"
 
 
 class Weights:
-    """The pool's part that loads weights on its servers (mixed into `SGLangPool`)."""
 
     async def _pause_locked(self) -> None:
         if self._paused:
@@ -86,7 +79,7 @@ class Weights:
                     await self._resume_locked()
 
     async def _load_adapter(self, update: WeightUpdate) -> None:
-        """A LoRA adapter folder on every healthy server, as `LORA_NAME` (module docstring)."""
+        """A LoRA adapter folder on every healthy server, as `LORA_NAME`."""
         if update.path is None:
             raise ValueError("the SGLang pool takes a LoRA adapter as a PEFT folder ('path'), "
                              "which its servers load with /load_lora_adapter")
@@ -108,8 +101,7 @@ class Weights:
         self._disk, self._over_group = None, False
 
     async def _swap_adapter(self, server: Server, path: str, label: str) -> None:
-        """Replace `server`'s adapter: SGLang refuses a second load under a loaded name, so the
-        old one goes first (the pool is paused: no request uses it)."""
+        """Unload `server`'s adapter, then load `path`: SGLang refuses a second load of a name."""
         response = await self._post(server, "/unload_lora_adapter", {"lora_name": LORA_NAME})
         if response.status_code != 200 and "does not exist" not in lora_error(response):
             raise WeightUpdateError(f"{server.address}/unload_lora_adapter failed: "
@@ -121,8 +113,7 @@ class Weights:
         server.label = label
 
     async def _load_base(self, server: Server, info: dict) -> None:
-        """The base model (`base`) on a server out of rotation, unless it reports the base's
-        folder and was never updated (SGLang's ``"default"``); else it is refused, named."""
+        """Load `base` on a joining server unless it reports that folder, never updated."""
         if info.get("model_path") == self._base and server.label == "default":
             return
         try:
@@ -135,9 +126,8 @@ class Weights:
             raise WeightUpdateError(self._unusable[server.address]) from exc
 
     async def _load_paused(self, server: Server, path: str, version: int) -> None:
-        """``/update_weights_from_disk`` on a server out of rotation, paused meanwhile: SGLang
-        answers 400 to an update it applied when requests still run (the flush after it is
-        refused), and a joining server may hold some (sent before it left rotation)."""
+        """``/update_weights_from_disk`` on a server out of rotation, paused meanwhile: it may
+        still run requests, and SGLang answers 400 to an update it applied while they run."""
         await self._checked(server, "/pause_generation", {"mode": "abort"},
                             timeout=self._pause_timeout)
         try:
@@ -219,7 +209,7 @@ class Weights:
                                                  {"group_name": group_name}) for s in members))
 
     async def _catch_up(self, server: Server, info: dict) -> None:
-        """Give a joining server the latest weights, or mark it stale (module docstring)."""
+        """Give a joining server the latest weights, or mark it stale."""
         current = str(self._version)
         server.stale = False
         if server.known and server.label == current:

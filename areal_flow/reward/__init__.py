@@ -22,14 +22,10 @@ def reward(
 ) -> Callable[[F], F]:
     """Register ``fn(completion: str, **kwargs) -> float`` (sync or async) as reward `name`.
 
-    It runs in a reward worker process (an async one under ``asyncio.run`` there), so it must
-    be defined at the top level of a module. A call that raises, crashes or runs past `timeout`
-    seconds scores `default`; every score must lie within `range`. `metrics`, called with the
-    reward's arguments, names the task's own numbers (accuracy, format, ...) that the training
-    panel and metrics.jsonl show for the episodes it scored; `rates` says which of them are
-    rates (0 or 1 per episode: eval gives them a 95% interval), the others are values. The
-    function is returned unchanged.
-    """
+    It runs in a worker process, so it must be defined at the top level of a module. A call that
+    raises, crashes or runs past `timeout` seconds scores `default`; scores must lie in `range`.
+    `metrics(same arguments)` returns the task's numbers for the panel and metrics.jsonl; `rates`
+    names those that are 0 or 1 per episode (eval gives them a 95% interval)."""
     def decorate(fn: F) -> F:
         spec = RewardSpec(name=name, fn=fn, timeout=timeout, default=default, range=range,
                           metrics=metrics, rates=rates)

@@ -1,13 +1,8 @@
 """The GSM8K reward: the final number of a completion compared exactly with the reference.
 
-The final answer is taken from, in this order of preference:
-1. ``#### N`` — the first number after the last ``####`` (GSM8K's own answer format);
-2. ``\\boxed{N}`` — the first number inside the last ``\\boxed{...}``;
-3. the last number anywhere in the completion.
-A step that finds no number falls through to the next. Numbers are normalised before they are
-compared: thousands separators, a ``$`` sign, a trailing ``%`` and trailing zeros after the
-decimal point are ignored, so ``$1,234.00`` equals ``1234``. Only ASCII digits count.
-"""
+The final answer is the first number after the last ``####``, else the first inside the last
+``\\boxed{...}``, else the last number anywhere. Thousands separators, ``$``, a trailing ``%``
+and trailing decimal zeros are ignored (``$1,234.00`` equals ``1234``); only ASCII digits count."""
 
 from __future__ import annotations
 
@@ -55,10 +50,8 @@ def extract_answer(text: str) -> Decimal | None:
 
 
 def grade(completion: str, answer: str, **_: object) -> dict[str, float]:
-    """Strict ("accuracy": the final number read by the rules above is right), lenient
-    ("accuracy_lenient": the right number appears anywhere), "format" (``#### N`` used) and
-    "work_shown" (a calculation comes before the final answer, see `shows_work`). The reward's
-    `metrics`: what the training panel shows (it takes, and ignores, the reward's options)."""
+    """The reward's `metrics`: "accuracy" (the final number is right), "accuracy_lenient" (it
+    appears anywhere), "format" (``#### N`` used) and "work_shown" (`shows_work`)."""
     expected = extract_answer(str(answer))
     anywhere = {_to_decimal(m) for m in _NUMBER.finditer(completion)}
     return {"accuracy": float(expected is not None and extract_answer(completion) == expected),
@@ -73,8 +66,7 @@ def has_answer_format(text: str) -> bool:
 
 
 def shows_work(text: str) -> bool:
-    """True when a calculation (``a op b = c``) comes before the last ``#### N`` (anywhere when
-    there is none): the completion reasoned, whether or not its arithmetic is right."""
+    """True when a calculation (``a op b = c``), right or not, precedes the last ``#### N``."""
     before = text.rsplit("####", 1)[0] if has_answer_format(text) else text
     return _CALCULATION.search(before) is not None
 
@@ -83,12 +75,9 @@ def shows_work(text: str) -> bool:
         rates=("accuracy", "accuracy_lenient", "format", "work_shown"))
 def gsm8k(completion: str, *, answer: str, format_weight: float = 0.0,
           require_work: bool = False) -> float:
-    """1 for the right final number, else 0; with `require_work`, the right number counts only
-    after a shown calculation (`shows_work`), so a bare guess earns nothing. With
-    `format_weight` w in [0, 1] the score is ``(1 - w) * correct + w * uses_#### _format``, a
-    denser signal for the benchmarks that a policy can win by printing '#### <any number>' (the
-    recipes' default leaves it at 0). `answer` may be a bare number or a full GSM8K solution
-    ending in ``#### N``."""
+    """1 for the right final number, else 0; with `require_work`, only after `shows_work`.
+    With `format_weight` w in [0, 1]: ``(1 - w) * correct + w * has_answer_format``, denser, but
+    a policy can game it by printing '#### <any number>'. `answer`: a number or GSM8K solution."""
     w = min(max(float(format_weight), 0.0), 1.0)
     reference = extract_answer(answer)
     predicted = extract_answer(completion)

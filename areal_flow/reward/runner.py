@@ -1,21 +1,13 @@
 """Runs rewards so that a bad one can never stall training.
 
-Every reward, sync or async, runs in a worker process (pebble, started by ``forkserver``: never
-``fork`` from a process running torch and threads); an async one is run there by
-``asyncio.run``, so blocking code in it cannot freeze the caller's event loop. A call past its
-reward's `timeout` has its worker killed and replaced; a worker that dies (segfault,
-``os._exit``, SIGKILL) is replaced too; an exception or an out-of-range or non-finite score is an
-error. Each of these scores the reward's `default` and is counted in `stats()`. A reward's
-`metrics` run in the caller's process after the score (`score_with_metrics`); one that raises or
-returns anything but {plain name: finite number} fails that call too: the score stands, the
-metrics are left out, the failure is counted. A reward that fails on more than
-`max_failure_rate` of its recent calls raises `RewardFailureError` instead: a run whose rewards
-are mostly defaults (or have no metrics) is not training on rewards.
-
-Workers resolve rewards by registry name ("package.module:function"), so they need nothing of
-the caller's but the reward's own module: they never import the caller's main script (see
-`_WorkerPopen`), and they import `areal_flow` through the caller's `sys.path`, as the caller did.
-"""
+Every reward runs in a worker process (pebble, by ``forkserver``: never ``fork`` a process running
+torch and threads), an async one under ``asyncio.run`` there, so blocking code cannot freeze the
+caller's loop. A timeout kills and replaces the worker, a dead worker is replaced, and an error or
+an out-of-range or non-finite score fails the call: it scores the reward's `default`, counted in
+`stats()`. Invalid `metrics` fail the call too, but a valid score stands. A reward failing more
+than `max_failure_rate` of its recent calls raises `RewardFailureError`: a run scored mostly by
+defaults is not training on rewards. Workers import rewards by "module:function" with the
+caller's `sys.path`, never the caller's main script (`_WorkerPopen`)."""
 
 from __future__ import annotations
 
@@ -79,9 +71,8 @@ def _importable_path(spec: RewardSpec, fn: Callable[..., Any] | None = None) -> 
 
 def _call_in_worker(path: str, package: str, args: tuple, kwargs: dict,
                     metrics: str | None = None) -> tuple[Any, Any, int]:
-    """The reward `path` on the arguments, then its `metrics` (a path too, or None), both under
-    the call's timeout: (value, ({name: number}, None) or ({}, what was wrong) or None, this
-    worker's resident bytes)."""
+    """The reward `path`, then its `metrics` path (or None), under one timeout: (value,
+    `task_metrics`' pair or None, this worker's resident bytes)."""
     if areal_flow.__file__ != package:  # e.g. a namespace package from a folder named areal_flow
         raise ImportError(f"the reward worker imported areal_flow from "
                           f"{list(areal_flow.__path__)}, the caller from {package}; check "
@@ -110,15 +101,8 @@ def worker_rss() -> int:
 
 
 class _WorkerPopen(popen_forkserver.Popen):
-    """Starts a reward worker without the caller's main script.
-
-    multiprocessing tells every new process to import the caller's `__main__` (as `__mp_main__`,
-    so that functions defined there unpickle): a recipe's torch and transformers in every worker,
-    and a script without an ``if __name__ == "__main__"`` guard run again in each. Reward workers
-    need nothing from it (rewards are named "module:function"; one in `__main__` is refused up
-    front), so these two keys are dropped. The rest is CPython 3.11's
-    `popen_forkserver.Popen._launch`, unchanged; other users of multiprocessing are not affected.
-    """
+    """CPython 3.11's `popen_forkserver.Popen._launch`, except that the worker does not import
+    the caller's `__main__` (a recipe's torch in each worker, an unguarded script run again)."""
 
     def _launch(self, process_obj: Any) -> None:
         prep_data = spawn.get_preparation_data(process_obj._name)
@@ -153,8 +137,7 @@ class _WorkerContext(ForkServerContext):
 
 
 class RewardFailureError(RunEndingError):
-    """A reward failed on too many of its recent calls to be trusted: its scores are not
-    rewards, so the run ends (the scheduler's rollouts and evaluations stop on it)."""
+    """A reward failed on too many of its recent calls to be trusted: the run ends."""
 
 
 FAILURE_WINDOW = 64
@@ -162,19 +145,10 @@ FAILURE_WINDOW = 64
 
 
 class RewardRunner:
-    """Scores completions with registered rewards; see the module docstring for the guarantees.
-
-    Args:
-        max_workers: worker processes (every reward runs in one, sync or async).
-        max_failure_rate: a reward failing (timeout, crash, error, out of range, its metrics) on
-            more than this fraction of its last `FAILURE_WINDOW` calls raises
-            `RewardFailureError` from then on; 1 never does.
-        max_calls_per_worker: a worker is replaced after this many calls (0: never), so a
-            reward that leaks (a growing cache, a global list) is contained.
-        max_worker_rss_gb: a worker found above this resident size after a call is replaced
-            (the pool is: its workers finish what they run, new calls go to fresh ones); 0:
-            never. A worker's size after each call is `stats()["worker_rss_gb"]` (the largest).
-    """
+    """Scores completions with registered rewards (module docstring). A reward failing on more
+    than `max_failure_rate` of its last `FAILURE_WINDOW` calls raises `RewardFailureError` (1:
+    never). A worker is replaced after `max_calls_per_worker` calls, and the workers once one
+    exceeds `max_worker_rss_gb` after a call (0: never), containing leaking rewards."""
 
     def __init__(self, max_workers: int = 2, max_failure_rate: float = 0.5,
                  max_calls_per_worker: int = 1000, max_worker_rss_gb: float = 2.0):
@@ -207,10 +181,8 @@ class RewardRunner:
 
     async def score_with_metrics(self, reward: str | Callable[..., Any] | RewardSpec, *args,
                                  **kwargs) -> tuple[float, dict[str, float]]:
-        """`score`, and what the reward's `metrics` say for the same arguments ({} when it
-        declares none). A `metrics` that raises or returns anything but {plain name: finite
-        number} makes this a failed call, counted as `metrics_errors` and in the failure rate
-        like the reward's own failures; its metrics are then {} and a valid score stands."""
+        """`score`, and the reward's `metrics` for the same arguments: {} when it has none or
+        they are invalid, which fails the call (`metrics_errors`) though a valid score stands."""
         return await self._score(resolve(reward), args, kwargs, with_metrics=True)
 
     async def _score(self, spec: RewardSpec, args: tuple, kwargs: dict, *,
@@ -273,10 +245,7 @@ class RewardRunner:
         return score, found
 
     def _note_rss(self, rss: int, pool: ProcessPool) -> None:
-        """Keep the largest worker size for `stats`; replace the pool when one of its workers
-        (`pool`, which ran the call) is past `max_worker_rss_gb`: the old one finishes the calls
-        it holds, then its workers exit. Calls that ran on a pool already replaced change
-        nothing."""
+        """Note a worker's size; replace `pool`, if still current, when it is past the limit."""
         with self._lock:
             self._largest_rss = max(self._largest_rss, rss)
             if not self.max_worker_rss or rss <= self.max_worker_rss or self._closed \
@@ -290,8 +259,7 @@ class RewardRunner:
         threading.Thread(target=pool.join, name="reward-pool-retire", daemon=True).start()
 
     def stats(self) -> dict[str, float]:
-        """Calls and failures since the last call, and the largest worker's size after a call
-        (GB) since then."""
+        """Calls, failures and the largest worker size (GB) since the last call."""
         with self._lock:
             counts, seconds, rss = self._counts, self._seconds, self._largest_rss
             self._counts, self._seconds, self._largest_rss = Counter(), 0.0, 0
@@ -311,9 +279,8 @@ class RewardRunner:
         }
 
     def _workers(self) -> ProcessPool:
-        """The worker pool, replaced when pebble gave up on it: pebble 5 marks the whole pool
-        broken when a worker dies while no task runs (an OOM kill, an operator's SIGKILL), and
-        would then fail every later call."""
+        """The worker pool, replaced if broken: pebble 5 breaks it when a worker dies while idle
+        (an OOM kill), then fails every later call."""
         with self._lock:
             if not self._pool.active and not self._closed:
                 log.warning("the reward worker pool broke (a worker died while idle); starting "
@@ -338,10 +305,8 @@ class RewardRunner:
 
 async def score_with_metrics(score: Callable[..., Any], reward: Any, *args,
                              **kwargs) -> tuple[float, dict[str, float]]:
-    """What `RolloutContext.reward` records: the score from `score` (a `RewardRunner.score`, or
-    an in-process stand-in with its signature, as tests give) and the reward's checked metrics.
-    Through a runner both are one of its calls, so a failing `metrics` counts toward the
-    reward's failure rate; with a stand-in it is only logged and leaves the metrics out."""
+    """What `RolloutContext.reward` records: the score from `score` (`RewardRunner.score`, or a
+    tests' in-process stand-in, where failing metrics are only logged) and the checked metrics."""
     runner = getattr(score, "__self__", None)
     if isinstance(runner, RewardRunner):
         return await runner.score_with_metrics(reward, *args, **kwargs)
@@ -357,8 +322,7 @@ async def score_with_metrics(score: Callable[..., Any], reward: Any, *args,
 
 def task_metrics(metrics: Callable[..., Any], args: tuple, kwargs: dict
                  ) -> tuple[dict[str, float], str | None]:
-    """`metrics(*args, **kwargs)` (a reward's `metrics`) as {name: float} and None, or {} and
-    what was wrong with it (it raised, or returned anything but {plain name: finite number})."""
+    """A reward's `metrics(*args, **kwargs)` as ({name: float}, None), or ({}, what was wrong)."""
     try:
         found = metrics(*args, **kwargs)
     except Exception as exc:
@@ -368,8 +332,7 @@ def task_metrics(metrics: Callable[..., Any], args: tuple, kwargs: dict
 
 
 def metrics_problem(found: Any) -> str | None:
-    """Why `found` is not what a reward's `metrics` must return, or None when it is: a mapping
-    of plain names (no '/': an eval adds 'eval/') to finite real numbers (bools count as 0/1)."""
+    """Why `found` is not {plain name (no '/'): finite real number}, or None when it is."""
     allowed = ("a reward's metrics must return {name: finite number}, each name a plain word "
                "(no '/': an eval adds 'eval/')")
     if not isinstance(found, Mapping):

@@ -1,25 +1,10 @@
 """The rollout scheduler: admits prompts under the staleness and concurrency limits, runs G
-workflow episodes per prompt, keeps whole groups, and hands the trainer collated batches.
-
-Threads: the scheduler runs an anyio event loop in a thread it owns (an anyio blocking portal).
-The trainer thread calls `prepare_batch`, `set_version`, `pause`/`resume`, `state_dict` and
-`stats`; they are thread-safe.
-
-Admission (B = prompts per step, G = group size, η = max_staleness, counting groups):
+workflow episodes per prompt, keeps whole groups, and hands the trainer collated batches. It runs
+an anyio event loop in a thread it owns; the trainer thread's calls are thread-safe. Admission
+(B = prompts per step, G = group size, η = max_staleness, counting groups):
     running_episodes + G <= max_concurrent   and   (η + version + 1)·B > accepted + running
-where `accepted` counts groups accepted and not dropped (consumed ones included) and `running`
-counts groups in flight. At consumption, a group holding a token older than version − η is dropped
-and counted: interrupted generations can outlive the admission check.
-
-Dynamic sampling (`RolloutConfig.filter_flat_groups` = N): a finished group whose rewards are
-all equal is dropped, freeing its place for another prompt, until N have been dropped since the
-last batch; after that flat groups are kept, so a batch always comes.
-
-Consumption order (`RolloutConfig.consume_order`): "fifo" takes groups as they finished, which
-favours short generations — long ones wait and are the ones that go stale; "oldest_version" takes
-first the groups closest to going stale. `stats()` reports the fraction of model tokens leaving the
-queue that were dropped as stale, overall and by episode length (quarters of max_new_tokens), so
-the bias shows.
+where `accepted` counts groups accepted and not dropped (consumed included). At consumption a
+group holding a token older than version − η is dropped (generations can outlive admission).
 """
 
 from __future__ import annotations
@@ -84,8 +69,7 @@ class _Group:
 
 
 _SAME_AGAIN = (LookupError, TypeError, AttributeError)
-"""Workflow errors that come from the row or the code, not from a server or a timeout: a retry
-would raise them again (a missing field is a KeyError naming it)."""
+"""Errors from the row or the code (not a server or a timeout), which a retry would raise again."""
 
 # Sort keys of `RolloutConfig.consume_order`. Sorting is stable, so "fifo" keeps finishing order
 # and "oldest_version" breaks ties by it.
@@ -96,20 +80,8 @@ _CONSUME_ORDERS: dict[str, Callable[[_Group], float]] = {
 
 
 class RolloutScheduler:
-    """Runs a workflow over a dataset against a generation pool (see the module docstring).
-
-    Args:
-        pool: where tokens come from.
-        workflow: registered name or spec of an ``async fn(ctx, sample) -> Episode | None``.
-        dataset: indexable rows (dicts) given to the workflow; rows are identified by index.
-        tokenizer: the policy's tokenizer (chat template, pad token).
-        score: ``async score(reward, *args, **kwargs) -> float`` — `RewardRunner.score`.
-        config: batch size, group size, limits.
-        sampling: default sampling settings of `ctx.generate`.
-        workflow_config: the workflow's options object, given to it as `ctx.config`.
-        filters: `should_accept(group)` functions; every one must accept a group.
-        shuffle, seed: the dataset order (a fresh permutation every epoch).
-    """
+    """Runs a workflow (``async fn(ctx, sample) -> Episode | None``) over `dataset`'s rows (by
+    index) against `pool`; `workflow_config` is `ctx.config`; every filter must accept a group."""
 
     def __init__(
         self,
@@ -199,8 +171,7 @@ class RolloutScheduler:
         return self.start()
 
     def openai_endpoint(self) -> Any:
-        """The workflows' OpenAI-compatible endpoint (`agents/openai_endpoint.py`, the agents'
-        part), made on the first call: a run whose workflows never ask does not load it."""
+        """The workflows' OpenAI-compatible endpoint, made (and its module loaded) on first use."""
         if self._openai_endpoint is None:
             from areal_flow.agents.openai_endpoint import OpenAIEndpoint
 
@@ -219,15 +190,13 @@ class RolloutScheduler:
 
     @property
     def portal(self) -> anyio.from_thread.BlockingPortal:
-        """The blocking portal of the scheduler's event loop: run code in the loop from another
-        thread (``scheduler.portal.call(fn, *args)``)."""
+        """The blocking portal of the scheduler's loop, to run code in it from another thread."""
         if self._portal is None:
             raise RuntimeError("start() the scheduler first")
         return self._portal
 
     def settle(self) -> None:
-        """Return once every task in the scheduler's loop is waiting on something (tests use it
-        to step the scheduler deterministically)."""
+        """Return once every task in the loop is waiting (tests step the scheduler with it)."""
         self.portal.call(_all_tasks_blocked)
 
     def set_version(self, version: int) -> None:
@@ -246,9 +215,7 @@ class RolloutScheduler:
         self._wake()
 
     def prepare_batch(self, batch_size: int | None = None, timeout: float | None = None):
-        """Block until `batch_size` (default B) fresh groups are ready; return them collated
-        (a TensorDict of B·G rows with `sample_ids` and `policy_version`, the version
-        being trained, besides the usual keys)."""
+        """Block for `batch_size` (default B) fresh groups: collated, with `policy_version`."""
         from areal_flow.data.collate import collate_groups
 
         size = batch_size or self.config.batch_size
@@ -292,8 +259,7 @@ class RolloutScheduler:
         self, samples: Sequence[dict[str, Any]], *, sampling: SamplingParams | None = None,
         group_size: int = 1,
     ) -> list[list[Episode]]:
-        """Run the workflow on `samples` now (evaluation), `group_size` episodes each, outside
-        the training admission accounting; samples that keep failing give empty lists."""
+        """Run `samples` now (evaluation), outside admission; one that keeps failing gives []."""
         if self._portal is None:
             raise RuntimeError("start() the scheduler first")
         return self._portal.call(self._rollout_now, list(samples), sampling or self.sampling,
@@ -321,9 +287,7 @@ class RolloutScheduler:
         return {**gauges, **counts, **fractions}
 
     def state_dict(self) -> dict[str, Any]:
-        """Where the dataset iterator stands and what must be re-admitted after a restart:
-        the groups admitted and not yet consumed, as [admission number, sample id] in
-        admission order (the numbers give their episodes the same seeds again)."""
+        """The dataset position, and [admission number, sample id] of groups to re-admit."""
         with self._cond:
             pending = sorted([*self._pending, *self._inflight.items()])
             return {
@@ -360,7 +324,6 @@ class RolloutScheduler:
             self._counts[key] += n
 
     def _wake(self) -> None:
-        """Re-check admission (from the trainer thread)."""
         if self._portal is not None:
             try:
                 self._portal.call(self._notify)
@@ -472,9 +435,7 @@ class RolloutScheduler:
 
     async def _attempt(self, serial: int, sample_id: int, sample: Any, group_size: int,
                        sampling: SamplingParams, training: bool) -> tuple[_Group | None, str]:
-        """Run one group, retrying it whole on errors that may pass (a server, a timeout), not
-        on those the same row raises again (`_SAME_AGAIN`): (group, "") or (None, why not).
-        Evaluation runs (`training=False`) leave the training counters alone."""
+        """One group, retried whole unless `_SAME_AGAIN`: (group, "") or (None, why not)."""
         tries = self.config.max_retries + 1
         for attempt in range(tries):
             try:

@@ -1,6 +1,5 @@
-"""Checkpoints of a `TrainEngine`: a `save_pretrained` folder for inference, and the full
-training state (sharded model and optimizer through torch.distributed.checkpoint, LR schedule,
-step count, RNG) for exact resume. Every rank calls these; rank 0 writes what is not sharded."""
+"""Checkpoints of a `TrainEngine`: a `save_pretrained` folder, and the full training state for
+exact resume. Every rank calls these; rank 0 writes what is not sharded."""
 
 from __future__ import annotations
 
@@ -26,10 +25,8 @@ if TYPE_CHECKING:
 
 def save_hf(engine: TrainEngine, path: str | Path,
             tokenizer_from: str | Path | None = None) -> None:
-    """A `save_pretrained` folder (loadable by transformers and SGLang); every rank calls,
-    rank 0 writes. The tokenizer files are copied from `tokenizer_from` when given. A LoRA
-    policy is saved with its adapters merged into the weights, and the adapter alone as a PEFT
-    folder in ``adapter/`` (for SGLang's ``--lora-paths`` or `peft.PeftModel.from_pretrained`)."""
+    """A `save_pretrained` folder (tokenizer from `tokenizer_from`); a LoRA policy with its
+    adapters merged in, and the adapter alone as a PEFT folder in ``adapter/``."""
     state = get_model_state_dict(
         engine.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if engine.rank == 0:
@@ -43,10 +40,8 @@ def save_hf(engine: TrainEngine, path: str | Path,
 
 
 def save_checkpoint(engine: TrainEngine, path: str | Path, extra_state: Any = None) -> None:
-    """Everything exact resume needs: sharded model and optimizer (torch.distributed
-    checkpoint), LR schedule, step count, RNG states and `extra_state` (e.g. the rollout
-    scheduler's state dict). Every rank calls. Of a LoRA policy only the adapters (and their
-    optimizer state) are saved: the base weights are the model's, unchanged."""
+    """Sharded model and optimizer (DCP), LR schedule, step count, RNG and `extra_state`; of a
+    LoRA policy only the adapters and their optimizer state."""
     path = Path(path)
     model_state, optim_state = _trained_state(engine)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(path / "dcp"))

@@ -1,12 +1,7 @@
-"""The training process group, the batch's way to the ranks and back, and the small
-collectives recipes and the run helpers share.
+"""The training process group, the batch's way to the ranks and back, and small collectives.
 
-On a GPU machine the default group has a backend for each device its tensors live on: NCCL for
-CUDA tensors (FSDP2's gathers and reductions) and gloo for CPU tensors (micro-batch counts, loss
-totals, stop flags, and the pickled objects of object collectives). An NCCL-only group rejects
-CPU tensors ("No backend type associated with device type cpu"), so every CPU-side collective
-would fail at the first step. On a CPU machine gloo serves everything.
-"""
+On a GPU the default group has NCCL for CUDA tensors and gloo for CPU ones (micro-batch counts,
+loss totals, flags, object collectives): an NCCL-only group rejects CPU tensors."""
 
 from __future__ import annotations
 
@@ -64,18 +59,9 @@ def shutdown_distributed() -> None:
 
 
 def exit_process(code: int = 0) -> NoReturn:
-    """End a finished run's process at once, without Python's interpreter finalization.
-
-    A gloo worker thread frees each collective it ran when it gets to it, and with it the
-    Python tensors the collective (or a barrier chained to it) holds, which takes the GIL. When
-    that happens while the interpreter finalizes, Python ends the thread, the unwinding meets
-    C++ code that may not throw, and the process aborts ("terminate called without an active
-    exception", SIGABRT) after a run that succeeded: torchrun then reports the rank as failed
-    (seen under load, 2 in 24 two-rank runs; core dump: `runLoop` →
-    `~AsyncBarrierWork` → `~AsyncAllgatherCoalescedWork` → `decref_pyobject` → `take_gil` →
-    `pthread_exit`). The recipes close everything they opened before this (run folder,
-    loggers, servers, reward workers); only output buffers are left to flush.
-    """
+    """End a finished run's process at once, skipping interpreter finalization, during which a
+    gloo thread freeing a collective's tensors can abort a successful run (SIGABRT; 2 in 24
+    two-rank runs). Callers close what they opened first; only output buffers are flushed."""
     sys.stdout.flush()
     sys.stderr.flush()
     logging.shutdown()
@@ -98,9 +84,8 @@ def any_rank(flag: bool) -> bool:
 
 def scatter_groups(batch: TensorDict | BaseException | None, rank: int,
                    world_size: int) -> tuple[TensorDict, list[list[int]]]:
-    """Rank 0's batch, whole groups to ranks balanced by tokens; returns this rank's rows and
-    the row indices every rank owns (to gather them back). Rank 0 passes an exception (or None)
-    when its rollout failed: every rank raises instead of waiting for a batch."""
+    """Rank 0's batch in whole groups to ranks, balanced by tokens: (this rank's rows, each
+    rank's row indices). An exception or None from rank 0 (failed rollout) raises on all ranks."""
     payload: list[Any] = [None]
     if rank == 0:
         if isinstance(batch, BaseException) or batch is None:
@@ -126,8 +111,7 @@ def scatter_groups(batch: TensorDict | BaseException | None, rank: int,
 
 def on_rank0(fn, shard: TensorDict, owned: list[list[int]], rank: int,
              world_size: int) -> TensorDict:
-    """`fn` (e.g. the algorithm's advantages, which need whole groups and batch statistics) on
-    the full batch gathered on rank 0; every rank gets its own rows of the result back."""
+    """`fn` (e.g. advantages) on the full batch gathered on rank 0; each rank gets its rows."""
     if world_size == 1:
         return fn(shard)
     gathered = [None] * world_size if rank == 0 else None

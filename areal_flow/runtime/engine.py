@@ -1,21 +1,9 @@
 """The SPMD training engine: a Hugging Face causal LM (or a value model) sharded with FSDP2.
 
-Every rank runs the same code (`torchrun`; one process is a valid world). Rank 0 holds the
-full batch; three stations train on it (`train` runs them in a row): `role_forwards` scatters
-whole groups balanced by tokens and runs the algorithm's role forwards, `advantages` takes the
-algorithm's advantages on rank 0 over the full batch (before the scatter when it has no roles),
-and `update` runs its `loss` over micro-batches and steps the optimizer. Where
-the pieces live: the process group and the batch's way to the ranks and back in
-`distributed.py`, how rows are split into mini- and micro-batches in `microbatch.py`, the
-log-probs of the loss positions in `logprobs.py`, the value model and a LoRA policy's base as
-its reference in `roles.py`, weight-update groups and the versioned weights folder in
-`weight_sync.py`.
-
-Loss normalisation: each micro-batch's `loss_sum` is back-propagated unscaled; once all
-micro-batches of an optimizer step are done, the normalizers are summed over micro-batches and
-ranks (or a constant is used as it is) and the gradients are scaled by world / total (FSDP2
-averages gradients over ranks). The update therefore does not depend on how the batch was split.
-"""
+Every rank runs the same code (`torchrun`; one process is a valid world); rank 0 holds the full
+batch. Each micro-batch's `loss_sum` is back-propagated unscaled, then the gradients are scaled
+by world / (normalizers summed over micro-batches and ranks, or the constant), so the update
+does not depend on how the batch was split."""
 
 from __future__ import annotations
 
@@ -57,42 +45,30 @@ class TrainConfig:
 
     optim: OptimizerConfig = attrs.field(factory=OptimizerConfig)
     max_tokens_per_mb: int = attrs.field(default=8192, validator=v.ge(1))
-    """Tokens per micro-batch (its rows packed end to end, no padding: `layout.py`). Keep it small
-    on a CPU unless `packed_attention` is on: sdpa attends through the packs' dense
-    block-diagonal mask, quadratic in a pack's tokens (benchmarks/README.md, "Training step")."""
+    """Tokens per micro-batch (rows packed, no padding). Keep it small on a CPU unless
+    `packed_attention` is on: sdpa's block-diagonal mask is quadratic in a pack's tokens."""
     ppo_minibatches: int = attrs.field(default=1, validator=v.ge(1))
     """Optimizer steps per batch; the batch's groups are split evenly between them."""
     dtype: Literal["auto", "float32", "bfloat16"] = attrs.field(
         default="float32", validator=v.in_(("auto", "float32", "bfloat16")))
-    """Compute precision: bfloat16 is bf16 compute with fp32 master weights and fp32 gradient
-    reduction; auto (the recipes' default) measures whether bf16 is faster here for this
-    model's shapes (bf16 on a GPU; `runtime/precision.py`)."""
+    """bfloat16: bf16 compute, fp32 master weights and gradient reduction; auto: bf16 where
+    measured faster for this model (always on a GPU; `runtime/precision.py`)."""
     activation_checkpointing: bool = False
     """Recompute decoder-layer activations in backward to save memory."""
     keep_unsharded: bool = True
-    """One process in bf16: within an optimizer step, keep the bf16 parameters FSDP2 gathers
-    from the first micro-batch's forward to the last one's backward, and reduce the gradients
-    once, after it; FSDP2 would otherwise cast and copy every parameter again for each
-    micro-batch's forward and backward (30 % of a SmolLM2 step at 512-token micro-batches).
-    Costs a bf16 copy of the weights during the step. Off: for comparisons."""
+    """One bf16 process: keep FSDP2's gathered bf16 weights through a step's micro-batches and
+    reduce gradients once (recasting them per micro-batch was 30 % of a SmolLM2 step)."""
     packed_attention: bool = False
-    """Each row of a packed micro-batch attends on its own (`packed_attention.py`), where that
-    saves at least half the work of attending through the block-diagonal mask over the whole
-    pack: 1.62x for one 8,192-token pack of SmolLM2 rows. The RL recipes turn it on, with larger
-    packs. Its fp32 gradients are as close to a float64 model's as the mask's, not bit-equal to
-    them (`tests/test_engine_steps.py`); off here, so that runs compared across rank counts
-    (`tests/test_runtime.py`, to 1e-6) attend the same way. Not measured on a GPU."""
+    """Each row of a packed micro-batch attends on its own (`packed_attention.py`): 1.62x for an
+    8,192-token pack on a CPU. Off by default: its gradients are close to the mask's, not equal."""
     compile: Literal["auto", "on", "off"] = attrs.field(
         default="off", validator=v.in_(compiled_layers.SETTINGS))
-    """torch.compile the decoder layers' MLP and norms (`compiled_layers.py`): 1.36-1.39x a
-    SmolLM2 step of one 2,287-token pack, fp32 and bf16, for a few seconds' compile at the first
-    step. auto: on a CPU with a C++ compiler (inductor's need); not on a GPU (not measured)."""
+    """torch.compile the decoder layers' MLP and norms (`compiled_layers.py`): 1.36x a SmolLM2
+    step. auto: on a CPU with a C++ compiler; not on a GPU (not measured)."""
     skip_nonfinite: bool = False
-    """Skip an optimizer step whose loss or gradient norm is NaN/inf (with a warning; counted in
-    `skipped_step`) instead of stopping the run with an error naming the step."""
+    """Skip (with a warning) an optimizer step with a NaN/inf loss or gradient norm, not stop."""
     lora: LoraConfig = attrs.field(factory=LoraConfig)
-    """Train LoRA adapters of the policy instead of every weight (`--train.lora.rank 16`): only
-    they are trained, checkpointed and sent to the generation pool (`areal_flow/lora.py`)."""
+    """Train LoRA adapters of the policy instead of every weight (`--train.lora.rank 16`)."""
 
 
 ROLE_OUTPUTS = {"actor": ("prox_logprobs", "logprobs"), "ref": ("ref_logprobs", "logprobs"),
@@ -102,9 +78,8 @@ ROLE_OUTPUTS = {"actor": ("prox_logprobs", "logprobs"), "ref": ("ref_logprobs", 
 
 @attrs.define
 class Shard:
-    """A batch between the training stations (`TrainEngine.role_forwards` → `advantages` →
-    `update`): this rank's rows and the row indices every rank owns; before `advantages` of an
-    algorithm without roles, rank 0's whole batch (None on other ranks) and `owned` None."""
+    """A batch between training stations: this rank's rows and the row indices each rank owns;
+    before a role-less algorithm's `advantages`, rank 0's whole batch (else None), `owned` None."""
 
     rows: Any
     owned: list[list[int]] | None = None
@@ -116,7 +91,6 @@ class StepTotals:
 
     loss_sum: float
     normalizer: float
-    """The sum of the micro-batches' normalizers (meaningful for summed units)."""
     micro_batches: int
     skipped_rows: int
     """Rows whose advantages are all 0, given no forward or backward."""
@@ -130,15 +104,8 @@ class StepTotals:
 
 
 class TrainEngine:
-    """One model under FSDP2 with its optimizer (none when `trainable` is False: a reference).
-
-    Args:
-        model: a `save_pretrained` folder.
-        config: training settings.
-        value: build a value model (critic) instead of a causal LM.
-        trainable: False for a frozen reference model.
-        total_steps: optimizer steps planned (for the LR schedule; warmup then constant).
-    """
+    """One model (a `save_pretrained` folder; `value`: a critic) under FSDP2 with its optimizer
+    (none when `trainable` is False: a frozen reference)."""
 
     def __init__(self, model: str | Path, config: TrainConfig, *, value: bool = False,
                  trainable: bool = True):
@@ -200,9 +167,7 @@ class TrainEngine:
         """An in-process pool that generates from this model's own tensors (`sync_weights`)."""
 
     def reference(self, model: str | Path) -> TrainEngine | BaseModelRole:
-        """The frozen reference of this policy: with LoRA its own base model (the adapter
-        layers switched off for the forward: no second copy of the weights), else a frozen copy
-        of `model` loaded beside it."""
+        """The frozen reference: with LoRA this policy's own base (adapters off), else `model`."""
         if self.adapter is not None:
             return BaseModelRole(self)
         return TrainEngine(model, self.config, trainable=False)
@@ -210,10 +175,8 @@ class TrainEngine:
     # -- forward passes -----------------------------------------------------------------
 
     def outputs(self, mb: TensorDict, entropy: EntropyMode = "metric") -> ModelOutput:
-        """Per-token logprobs (and entropy, as `entropy` asks) at each row's temperature, or
-        values for a critic, aligned with `input_ids`: position t is about token t given tokens
-        < t. Log-probs and entropy are computed only where `loss_mask` is set (0 elsewhere):
-        the LM head never runs over the whole vocabulary at every position (`logprobs.py`)."""
+        """Per-token logprobs (and entropy) at each row's temperature where `loss_mask` is set
+        (else 0), or a critic's values, aligned with `input_ids`: t is token t given tokens < t."""
         ids = mb["input_ids"].to(self.device)
         layout = PackedRows.of(ids, mb["attention_mask"].to(self.device))
         if self.value:
@@ -229,8 +192,7 @@ class TrainEngine:
 
     @torch.no_grad()
     def forward(self, batch: TensorDict) -> TensorDict:
-        """`outputs` for every row of this rank's batch, micro-batched; all ranks must call it
-        (with their own rows) the same number of times, which `_plan` guarantees."""
+        """`outputs` for this rank's rows, micro-batched; every rank must call it."""
         rows = batch.batch_size[0]
         logprobs = torch.zeros(batch["input_ids"].shape)
         values = torch.zeros(batch["input_ids"].shape)
@@ -255,9 +217,7 @@ class TrainEngine:
         return TensorDict({"logprobs": logprobs, "values": values}, batch_size=[rows])
 
     def memory_gb(self) -> dict[str, float]:
-        """What this rank's training state holds, in GB: its weights (the master copy), the
-        gradients an update allocates for the trained ones (as large as they are), and the
-        optimizer's state (AdamW: two moments)."""
+        """This rank's training state in GB: weights, gradients of trained ones, optimizer."""
         def local(t: torch.Tensor) -> int:  # a DTensor's own shard
             t = getattr(t, "_local_tensor", t)
             return t.numel() * t.element_size()
@@ -271,10 +231,7 @@ class TrainEngine:
                 "optimizer": sum(map(local, state)) / 2**30}
 
     def mfu(self, tokens: int, seconds: float) -> float:
-        """Model FLOPs utilisation of a step that trained `tokens` tokens in `seconds`: 6 FLOPs
-        per parameter and token (forward and backward; attention not counted) over the GEMM
-        rate this machine gives this model's shapes in the dtype in use (measured once,
-        `precision.gemm_rate`). Needs no other rank."""
+        """Model FLOPs utilisation: 6 FLOPs per parameter and token over `precision.gemm_rate`."""
         if self._gemm_rate is None:
             self._gemm_rate = gemm_rate(self.path, self.precision.dtype, self.device)
         return 6 * self.n_params * tokens / (seconds * self._gemm_rate)
@@ -284,21 +241,15 @@ class TrainEngine:
     def train(self, batch: TensorDict | None, algorithm: Algorithm, *,
               critic: TrainEngine | None = None, ref: TrainEngine | None = None,
               teacher: TrainEngine | None = None) -> dict:
-        """One batch through the three training stations: `role_forwards`, `advantages`,
-        `update` (the recipes call them one by one). Rank 0 passes the full batch; other ranks
-        pass None. If rank 0 passes an exception (its rollout failed), every rank raises it
-        instead of waiting forever."""
+        """Stations 1-3 in a row; rank 0 passes the batch, others None (exception: all raise)."""
         shard = self.role_forwards(batch, algorithm, critic=critic, ref=ref, teacher=teacher)
         return self.update(self.advantages(shard, algorithm), algorithm, critic=critic)
 
     def role_forwards(self, batch: TensorDict | None, algorithm: Algorithm, *,
                       critic: TrainEngine | None = None, ref: TrainEngine | None = None,
                       teacher: TrainEngine | None = None) -> Shard:
-        """The first training station: rank 0's batch (None on other ranks) goes to the ranks
-        in whole groups, and each role the algorithm names (`Algorithm.roles`: the actor's own
-        pi_prox, a reference, a critic, a teacher) computes its log-probs or values for this
-        rank's rows. An algorithm without roles keeps rank 0's batch whole here, so that its
-        advantages need no round trip through rank 0."""
+        """Station 1: scatter rank 0's batch in whole groups; each of `Algorithm.roles` fills its
+        output for this rank's rows. Without roles rank 0 keeps the batch whole."""
         engines = {"actor": self, "ref": ref, "critic": critic, "teacher": teacher}
         missing = [role for role in algorithm.roles if engines[role] is None]
         if missing:
@@ -320,9 +271,7 @@ class TrainEngine:
         return Shard(rows, owned)
 
     def advantages(self, shard: Shard, algorithm: Algorithm) -> Shard:
-        """The second station: the algorithm's advantages over the whole batch, on rank 0 (the
-        roles' outputs gathered there first when they ran on several ranks); every rank keeps
-        its own rows."""
+        """Station 2: advantages over the whole batch on rank 0; each rank keeps its rows."""
         if shard.owned is None:  # rank 0's whole batch, not scattered yet
             full = shard.rows
             if self.rank == 0 and isinstance(full, TensorDict):
@@ -333,8 +282,7 @@ class TrainEngine:
 
     def update(self, shard: Shard, algorithm: Algorithm, *,
                critic: TrainEngine | None = None) -> dict:
-        """The third station: `ppo_minibatches` optimizer steps over this rank's rows (and the
-        critic's, when the algorithm has a `critic_loss`); returns the steps' mean statistics."""
+        """Station 3: `ppo_minibatches` optimizer steps (and the critic's); returns mean stats."""
         if shard.owned is None:
             raise ValueError("update() takes what advantages() returns")
         can = AlgorithmCapabilities.of(algorithm)
@@ -358,14 +306,8 @@ class TrainEngine:
 
     def _step(self, mini: TensorDict, loss_fn, *, entropy: EntropyMode = "metric",
               skip_zero_advantage: bool = False) -> dict[str, float]:
-        """One optimizer step over `mini` (this rank's rows).
-
-        With `skip_zero_advantage` (the algorithm's `skips_zero_advantage_rows`: no term but the
-        advantage-weighted one), rows whose advantages are all 0 get no forward or backward:
-        their loss and gradient are 0. Their share of the normalizer is still counted, from the
-        loss function run on their behavior log-probs (no model): their tokens for a `tokens`
-        unit, the row for `sequences`; a constant is unchanged. The step is the same as without
-        skipping (tests/test_engine_steps.py)."""
+        """One optimizer step over `mini`. `skip_zero_advantage`: rows of all-zero advantages get
+        no forward/backward; their normalizer still counts, so the step is the same."""
         self.optimizer.zero_grad(set_to_none=True)
         moves = mini["advantages"].ne(0).any(-1) if skip_zero_advantage and \
             mini.batch_size[0] else torch.ones(mini.batch_size[0], dtype=torch.bool)
@@ -375,9 +317,7 @@ class TrainEngine:
 
     @contextlib.contextmanager
     def _gathered_through_step(self):
-        """Yields whether FSDP2 keeps the weights it gathers until the step's last backward
-        (`TrainConfig.keep_unsharded`: one bf16 process), which then reduces the gradients;
-        after the step they are sharded again, as the weight sync reads them."""
+        """Yields whether FSDP2 keeps gathered weights until the step's last backward."""
         hold = self.config.keep_unsharded and self.sharded and self.world_size == 1
         if not hold:
             yield False
@@ -501,20 +441,10 @@ class TrainEngine:
 
     def sync_weights(self, pool: Any, version: int, *, folder: str | Path | None = None,
                      group: Any = None, bucket_bytes: int = 512 * 2**20) -> dict[str, float]:
-        """Give the generation pool (held by rank 0; None on other ranks) the current weights as
-        `version`. Every rank calls (the full tensors are gathered from all shards); rank 0 then
-        sends them over the weight-update `group` (`weight_sync.WeightGroup`, bucketed broadcast
-        to SGLang servers), or writes a `save_pretrained` `folder` for
-        `/update_weights_from_disk`, or, given neither, hands the state dict over in memory (the
-        local engine). With LoRA (`TrainConfig.lora`) only the adapter tensors go, as a PEFT
-        folder for `/load_lora_adapter` or in memory. Returns the seconds it took and the bytes
-        sent (0 when an in-process engine kept the live tensors), for the recipe's stats.
-
-        An in-process engine of the same dtype keeps an unsharded model's live tensors instead
-        of a copy of them (`WeightUpdate.live`): no second copy of the weights, nothing copied
-        per step. From then on each optimizer step pauses it (interrupting its requests, as an
-        update does) and the next `sync_weights` resumes it under the new version, so call
-        this after every `train`, as the recipes do."""
+        """Give rank 0's generation `pool` (None elsewhere) the weights as `version`; every rank
+        calls. Sent over `group`, as a `folder`, or in memory; with LoRA only the adapter. An
+        in-process engine may keep the live tensors (`WeightUpdate.live`), paused by each step
+        until the next `sync_weights`: call it after every `train`. Returns timings and bytes."""
         import time
 
         start = time.perf_counter()
@@ -560,8 +490,7 @@ class TrainEngine:
     # -- micro-batches -----------------------------------------------------------------
 
     def _plan(self, batch: TensorDict) -> list[list[int]]:
-        """Micro-batches of this rank's rows; every rank gets the same number (empty lists are
-        dummy passes) because FSDP's collectives need every rank in every forward/backward."""
+        """This rank's micro-batches, as many on every rank (empty: dummy passes) for FSDP."""
         lengths = batch["attention_mask"].sum(-1).tolist() if batch.batch_size[0] else []
         bins = micro_batches(lengths, self.config.max_tokens_per_mb) if lengths else []
         count = torch.tensor([len(bins)])
@@ -579,10 +508,8 @@ class TrainEngine:
 
 
 def _return_freed_memory() -> None:
-    """Give freed tensors of 1 MiB and more back to the OS at once (glibc). By default glibc
-    raises its mmap threshold to the largest block freed so far, after which a step's freed
-    activations stay in its heap: resident, counted in the peak, reused only by luck (the
-    "freed memory" rows of benchmarks/train_step.py)."""
+    """Give freed blocks of 1 MiB+ back to the OS at once: glibc's growing mmap threshold would
+    otherwise keep a step's freed activations resident (benchmarks/train_step.py)."""
     import ctypes
 
     try:
@@ -592,11 +519,8 @@ def _return_freed_memory() -> None:
 
 
 def _trim_heap() -> None:
-    """Return the free pages inside glibc's heaps to the OS once the update's activations are
-    freed. Blocks under the mmap threshold (`_return_freed_memory`) freed by the step stay
-    resident in the heaps of the threads that allocated them; without this the default GSM8K
-    run's resident memory between steps grew 3.2 -> 4.4 GB over 24 steps and its peak reached
-    5.6 GB, with it 3.2 -> 3.7 GB and 5.0 GB, no slower (benchmarks/README.md)."""
+    """Return free glibc heap pages to the OS after the update: without it the GSM8K run's
+    resident memory grew 3.2 -> 4.4 GB over 24 steps (3.7 GB with it)."""
     import ctypes
 
     try:

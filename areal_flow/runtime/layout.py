@@ -1,13 +1,6 @@
-"""The batch layout: how a micro-batch's rows reach the model, and how its outputs come back.
-
-Algorithms see right-padded [rows, length] tensors (a row's tokens from column 0, its position
-t in column t, zeros after). The model sees them packed: every row's real tokens laid end to end
-in one row, with position ids that restart at 0 at each row's start. transformers turns restarting
-position ids (and no attention mask) into a block-diagonal causal mask, so no token attends
-across rows and no compute goes to padding. `PackedRows` is the only code that knows both
-layouts: the training engine packs with it, the log-prob head reads hidden states through it, and
-outputs are unpacked with it.
-"""
+"""The batch layout: algorithms see right-padded [rows, length] tensors, the model one packed
+row (real tokens end to end, position ids restarting at 0 per row, which transformers turns into a
+block-diagonal causal mask: no padding compute). `PackedRows` is the only code knowing both."""
 
 from __future__ import annotations
 
@@ -43,9 +36,8 @@ class PackedRows:
                    lengths=mask.sum(1), shape=tuple(input_ids.shape))
 
     def model_inputs(self) -> dict:
-        """Keyword arguments of a transformers model's forward for the packed row. No cache:
-        with one, transformers does not look for restarting positions and every token would
-        attend to the rows packed before its own."""
+        """The forward's keyword arguments. No cache: with one, transformers ignores restarting
+        positions and tokens would attend across rows."""
         return {"input_ids": self.input_ids, "position_ids": self.position_ids, "use_cache": False,
                 # each row's tokens, for attention one row at a time (`packed_attention.py`;
                 # other attention functions ignore it)

@@ -1,20 +1,9 @@
 """Log-probabilities (and entropy) of the tokens a loss reads, and of no others.
 
-A causal LM's head over the whole vocabulary at every position is most of a small model's
-training memory: one [rows, length, vocab] fp32 tensor of SmolLM2's 49,152 tokens is ~1 GB for
-16 rows of 300 tokens, and log-softmax, exp and their gradients each make another. Most of those
-positions are prompt tokens no loss reads. So the head runs only at the positions of the loss
-mask, on the hidden states gathered there, in chunks of tokens; each chunk's logits are
-recomputed in backward instead of kept, so at most one chunk's [tokens, vocab] tensors exist at a
-time. The log-softmax, the entropy and their gradient are written out (`token_stats`,
-`logits_grad`), in place, rather than left to autograd: autograd's chain (cast, divide,
-log-softmax, exp, product, and each one's backward) is a pass over the logits and a [tokens,
-vocab] temporary per operation, 0.8 s of a 5.9 s SmolLM2 step in bf16. Compiling the two
-(inductor: one loop each) measured within 3 % of them eager, so they are not.
-
-The head still runs inside the model's own forward (its `lm_head` is swapped for the duration of
-one call): FSDP2 gathers the root module's parameters, the tied embedding included, only there.
-"""
+The full-vocabulary head at every position is most of a small model's training memory, so it
+runs only at the loss mask's positions, in chunks recomputed in backward, with log-softmax and
+entropy written out in place (autograd's chain took 0.8 s of a 5.9 s bf16 step). It runs inside
+the model's forward (`lm_head` swapped): only there does FSDP2 gather the tied embedding."""
 
 from __future__ import annotations
 
@@ -37,8 +26,7 @@ CHUNK_ELEMENTS = 2**25
 
 @attrs.define
 class LossPositions:
-    """Where a batch's loss reads log-probs: position t of a row is token t given tokens < t,
-    computed from the hidden state at t - 1 (position 0 has no log-prob)."""
+    """Where a batch's loss reads log-probs: position t (> 0) is token t given tokens < t."""
 
     rows: torch.Tensor
     cols: torch.Tensor
@@ -68,10 +56,8 @@ class LossPositions:
 
 def token_stats(logits: torch.Tensor, temperature: torch.Tensor, targets: torch.Tensor,
                 entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """[tokens] log-probs of `targets` under `logits` / `temperature` (fp32), their entropies
-    (if `entropy`), and the log-normalisers the gradient needs. Consumes `logits` (fp32 ones
-    are overwritten): in place, so that eagerly at most two fp32 [tokens, vocab] temporaries
-    exist."""
+    """[tokens] log-probs of `targets` under `logits` / `temperature` (fp32), entropies (if
+    `entropy`) and log-normalisers. Consumes `logits` (in place, to bound temporaries)."""
     z = logits.float().div_(temperature[:, None])
     lse = torch.logsumexp(z, -1)
     token = z.gather(-1, targets[:, None]).squeeze(-1) - lse
@@ -83,9 +69,8 @@ def token_stats(logits: torch.Tensor, temperature: torch.Tensor, targets: torch.
 def logits_grad(logits: torch.Tensor, temperature: torch.Tensor, targets: torch.Tensor,
                 lse: torch.Tensor, ent: torch.Tensor | None, g_token: torch.Tensor,
                 g_ent: torch.Tensor | None) -> torch.Tensor:
-    """The gradient of a loss at `logits` (in their dtype) from its gradients at `token_stats`'s
-    log-probs and entropies: d log p_y / dz = onehot(y) - p, dH / dz = -p (log p + H).
-    Consumes `logits`, as `token_stats` does."""
+    """The loss's gradient at `logits` from those at `token_stats`'s outputs: d log p_y / dz =
+    onehot(y) - p, dH / dz = -p (log p + H). Consumes `logits`."""
     logp = logits.float().div_(temperature[:, None]).sub_(lse[:, None])
     p = logp.exp()
     g = p.mul_(-g_token[:, None]) if g_ent is None else \
@@ -96,8 +81,7 @@ def logits_grad(logits: torch.Tensor, temperature: torch.Tensor, targets: torch.
 
 
 class _Head(torch.autograd.Function):
-    """The head's log-probs (and entropies) of one chunk of positions, the logits recomputed in
-    backward rather than kept."""
+    """One chunk's log-probs (and entropies), its logits recomputed in backward."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, entropy: bool):
@@ -131,8 +115,8 @@ def _chunk(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 def head_at_positions(head: torch.nn.Linear, hidden: torch.Tensor, where: LossPositions,
                       entropy: EntropyMode) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """[positions] token log-probs (and entropies) of `head` applied to the packed `hidden`
-    [1, tokens, hidden] at `where`, in chunks, each one's logits recomputed in backward."""
+    """[positions] token log-probs (and entropies) of `head` on packed `hidden` [1, tokens,
+    hidden] at `where`."""
     states = hidden.flatten(0, 1)[where.states]
     step = max(1, CHUNK_ELEMENTS // head.weight.shape[0])
     tokens, entropies = [], []
@@ -151,9 +135,8 @@ def head_at_positions(head: torch.nn.Linear, hidden: torch.Tensor, where: LossPo
 @contextlib.contextmanager
 def loss_position_head(model: torch.nn.Module, where: LossPositions,
                        entropy: EntropyMode) -> Iterator[dict]:
-    """Within the block, `model(...)` returns as `.logits` the [positions] token log-probs of
-    `where` (or [positions, 2] with the entropy when `entropy == "grad"`), and the returned dict
-    gets the no-gradient entropy under "entropy" when `entropy == "metric"`."""
+    """Within the block `model(...).logits` is the [positions] log-probs at `where` ([positions,
+    2] with entropy if `entropy == "grad"`); the yielded dict's "entropy" is the metric one."""
     head = model.get_output_embeddings()
     extra: dict = {}
 

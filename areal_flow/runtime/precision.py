@@ -1,17 +1,9 @@
 """The precision a run computes in, chosen by measuring this machine (`dtype="auto"`).
 
-Whether bf16 pays on a CPU cannot be told from its flags: with AMX a bf16 GEMM ran 10x faster
-than fp32, on an AVX2-only EPYC 150x slower (emulated), and AVX-512 without BF16 sits between
-(`../shared/ENVIRONMENT.md`). So `choose` times a GEMM of the model's own shapes — its hidden
-size by its MLP width — in both dtypes and takes bf16 where it is clearly faster: with the rows of a training
-micro-batch for training (compute-bound), and for the generation engine with the rows of a
-decode batch against one such weight per layer, so that, as in decoding, the weights are read
-from memory rather than cache, and in bf16 read as the engine reads them: prepacked for oneDNN
-where it packs (`inference/packed_weights.py`; unpacked, a bf16 product re-lays its weight
-out on every call and ran 1.6x slower than fp32 on an AMX CPU where the engine's packed bf16
-decodes 2x faster than fp32). On a GPU it is bf16 without measuring. A process measures
-each shape once; the whole probe stays under a second even where bf16 is emulated.
-"""
+Whether bf16 pays on a CPU cannot be told from its flags (AMX: 10x faster than fp32; emulated
+on AVX2: 150x slower), so `choose` times a GEMM of the model's hidden size by its MLP width in
+both dtypes, with a micro-batch's rows or, for decoding, a decode batch's against one weight per
+layer (bf16 prepacked as the engine reads it). On a GPU it is bf16, unmeasured."""
 
 from __future__ import annotations
 
@@ -30,23 +22,18 @@ DTYPES = ("float32", "bfloat16")
 MEASURED = {"cpu"}
 """Device types whose bf16 speed must be measured (a GPU's is known: bf16)."""
 SYNCHRONIZE = {"cuda": torch.cuda.synchronize}
-"""What waits for a device's queued work, so a timing covers it."""
 CHOICES = ("auto", *DTYPES)
 ROWS = {"train": 256, "decode": 16}
 """Rows of the probe GEMM: a slice of a training micro-batch; a decode batch."""
 TRAIN_ROWS = {"cuda": 8192}
-"""Rows of the training probe on a device that finishes 256 rows faster than it launches them:
-a micro-batch's tokens (the trainer's default budget). At 256 rows an H100's rate read about a
-twentieth of its GEMM peak, and the recipe's MFU over it 16.6 % where 0.8 % was true."""
+"""Training probe rows (a default micro-batch) on a device that outruns 256-row launches: at 256
+rows an H100's rate read a twentieth of its peak (MFU 16.6 % where 0.8 % was true)."""
 PASS_SECONDS = 5e-3
-"""A timed pass repeats the GEMMs until it lasts this long, so that what a timing costs once
-(a GPU's synchronize: tens of microseconds) is a small part of it."""
+"""A timed pass repeats the GEMMs this long, so a GPU's synchronize is a small part of it."""
 MARGIN = 1.2
-"""bf16 must be this much faster to be chosen: its rounding costs something (the engine's
-log-probs then differ from the trainer's), so a near tie stays fp32."""
+"""bf16 must be this much faster to be chosen: its rounding costs (log-prob mismatch)."""
 WIDEST = 2048
-"""The probe's inner and outer sizes are capped here: the rate is the same beyond, and an
-emulated bf16 GEMM of a large model's shapes would take seconds."""
+"""Cap on the probe's sizes: the rate is the same beyond, and emulated bf16 would take seconds."""
 DECODE_BYTES = 256 * 2**20
 """The decode probe's fp32 weights stop at this size: beyond any cache, within a second."""
 
@@ -68,8 +55,7 @@ class Precision:
 
     @property
     def flops(self) -> float | None:
-        """The probe's FLOP/s in the chosen dtype: the machine's GEMM rate at this model's
-        shape (the denominator of MFU)."""
+        """The probe's FLOP/s in the chosen dtype (MFU's denominator)."""
         if self.shape is None or self.dtype not in self.seconds:
             return None
         m, k, n, count = self.shape
@@ -89,9 +75,8 @@ _measured: dict[tuple, Any] = {}  # probe timings per (device, shape); bandwidth
 
 def choose(dtype: str, model: str | Path, *, purpose: Literal["train", "decode"],
            device: torch.device | str = "cpu") -> Precision:
-    """`dtype` itself unless it is "auto"; then bf16 on a GPU, else the faster of fp32 and bf16
-    for a GEMM of `model`'s shapes (its config's hidden and intermediate sizes): bf16 when it
-    is `MARGIN` times faster."""
+    """`dtype` unless "auto"; then bf16 on a GPU, else bf16 if a GEMM of `model`'s shapes runs
+    `MARGIN` times faster in it than in fp32."""
     if dtype not in CHOICES:
         raise ValueError(f"dtype must be one of {', '.join(CHOICES)}: {dtype!r}")
     if purpose not in ROWS:
@@ -107,8 +92,7 @@ def choose(dtype: str, model: str | Path, *, purpose: Literal["train", "decode"]
 
 
 def gemm_rate(model: str | Path, dtype: str, device: torch.device | str = "cpu") -> float:
-    """FLOP/s of the training probe's GEMM (this model's shapes) in `dtype` on `device`: the
-    rate that training FLOPs are compared with for MFU (`perf/mfu`)."""
+    """FLOP/s of the training probe's GEMM (this model's shapes) in `dtype`: MFU's denominator."""
     shape, seconds = _probe(model, "train", torch.device(device))
     m, k, n, count = shape
     return 2 * m * k * n * count / seconds[dtype]
@@ -140,10 +124,8 @@ def _packable(device: torch.device) -> bool:
 
 def _seconds(shape: tuple[int, int, int, int], device: torch.device, budget: float = 0.2,
              packed: bool = False) -> dict[str, float]:
-    """Each dtype's fastest pass of `shape` (the rows times each weight; with `packed`, bf16
-    weights prepacked as the engine's linear layers read them). The dtypes take turns, so load
-    from other work slows both alike, until `budget` seconds are spent; a dtype whose warm-up
-    alone exceeds it (emulated bf16) is timed by that one call."""
+    """Each dtype's fastest pass of `shape`, taking turns (so load slows both alike) for `budget`
+    seconds; a dtype whose warm-up alone exceeds it (emulated bf16) is timed by that call."""
     from areal_flow.inference import packed_weights
 
     m, k, n, count = shape
@@ -189,9 +171,7 @@ def _seconds(shape: tuple[int, int, int, int], device: torch.device, budget: flo
 
 
 def read_bandwidth(device: torch.device | str = "cpu") -> float:
-    """Bytes per second read from memory: the fastest of a few copies of a 256 MB tensor (it
-    reads as many bytes as it writes; a decode step mostly reads). The denominator of MBU: a
-    decode step cannot take less than the weights' bytes over this. Measured once a process."""
+    """Bytes/s read from memory (fastest copy of 256 MB; once a process): MBU's denominator."""
     device = torch.device(device)
     key = (str(device), "bandwidth")
     if key not in _measured:
@@ -211,11 +191,8 @@ def read_bandwidth(device: torch.device | str = "cpu") -> float:
 
 def measured(cfg: Any, model: str, *engines: tuple[str, Any],
              in_process: bool = False) -> tuple[Any, str]:
-    """`cfg` with its "auto" dtypes replaced by what was measured (config.yaml records it, so a
-    resumed run computes as it did) and the timings, for config.yaml's head. `engines` are the
-    trained roles as (config field, `TrainEngine` or None): ``("train", trainer)``; the
-    in-process engine's choice (`in_process`) is measured here as `LocalEngine` will do (a
-    process measures once, so both agree)."""
+    """(`cfg` with "auto" dtypes replaced by the measured ones, a note of timings for config.yaml).
+    `engines`: (config field, `TrainEngine` or None); `in_process`: the local engine's too."""
     from areal_flow.inference.local import resolve_device
 
     changes, choices = {}, []
@@ -247,11 +224,8 @@ def measured(cfg: Any, model: str, *engines: tuple[str, Any],
 
 def mismatch_default(loss: PolicyLossConfig, rollouts: str | None,
                      train: str) -> PolicyLossConfig:
-    """`loss` with mismatch_correction "auto" settled: "tis" when the engine's dtype (`rollouts`;
-    None: servers that choose their own) may be lower than the trainer's, so its log-probs
-    differ from the trainer's at the same weights by more than reduction order; "none" when it
-    is known to be as wide. An explicit choice is kept. TIS costs nothing where the two agree
-    (its weight min(pi_train / pi_rollout, C) is then 1)."""
+    """`loss` with mismatch_correction "auto" settled: "tis" when the rollouts' dtype (None: the
+    servers' own) may be narrower than the trainer's, else "none" (TIS is free if they agree)."""
     if loss.mismatch_correction != "auto":
         return loss
     narrower = rollouts is None or getattr(torch, rollouts).itemsize < getattr(torch, train).itemsize

@@ -1,5 +1,4 @@
-"""The models a training engine can hold besides a causal LM policy: a value model (critic)
-and a LoRA policy's own base model serving as its frozen reference."""
+"""Models an engine holds besides a causal LM policy: a critic; a LoRA policy's base (its ref)."""
 
 from __future__ import annotations
 
@@ -32,8 +31,7 @@ class ValueModel(torch.nn.Module):
 
 
 class BaseModelRole:
-    """A LoRA policy's base model as a frozen role (`TrainEngine.reference`): `forward` runs the
-    policy's engine with every adapter layer off, and back on afterwards."""
+    """A LoRA policy's base as a frozen role: `forward` runs the policy's engine, adapters off."""
 
     def __init__(self, engine: TrainEngine):
         self.engine = engine

@@ -13,10 +13,8 @@ F = TypeVar("F", bound=Callable[..., object])
 
 
 def workflow(name: str, *, config: type | None = None) -> Callable[[F], F]:
-    """Register ``async fn(ctx, sample) -> Episode | None`` as workflow `name`.
-
-    `config` is an attrs class of the workflow's options. The function is returned unchanged.
-    """
+    """Register ``async fn(ctx, sample) -> Episode | None`` as workflow `name`; `config` is an
+    attrs class of its options."""
     def decorate(fn: F) -> F:
         if not inspect.iscoroutinefunction(fn):
             raise TypeError(f"workflow {name!r} must be an 'async def' function")

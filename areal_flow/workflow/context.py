@@ -29,11 +29,8 @@ _TURN = "\ue000turn\ue000"
 
 
 class RolloutContext:
-    """Passed to every workflow call; one context per episode.
-
-    Token-in/token-out: prompts are built as token ids once (`chat`, `chat_delta`, `encode`), and
-    completions are kept as the tokens the model produced, never re-tokenized from text.
-    """
+    """Passed to every workflow call; one per episode. Token-in/token-out: prompts are built as
+    token ids once (`chat`, `chat_delta`, `encode`); completions keep the model's own tokens."""
 
     def __init__(
         self,
@@ -56,27 +53,24 @@ class RolloutContext:
         """The workflow's options (an instance of its declared config class), or None."""
         self.max_prompt_tokens = max_prompt_tokens
         self.seed = seed
-        """The episode's seed: its n-th sampled `generate` call without a seed of its own gets
-        `derived_seed(seed, n)`, so a resumed run replays exactly what it would have sampled."""
+        """The n-th sampled `generate` call without a seed gets `derived_seed(seed, n)`, so a
+        resumed run replays exactly what it would have sampled."""
         self._score = score
         self._calls = 0
         self.metrics: dict[str, float] = {}
-        """What the rewards' `metrics` functions said about this episode (the latest call's value
-        per name); the scheduler adds them to the episode's `metrics`."""
+        """The rewards' `metrics` of this episode (latest per name), added to the episode's."""
         self.rates: set[str] = set()
-        """Which of `metrics` their rewards declare rates (`RewardSpec.rates`); the scheduler
-        adds them to the episode's `rates`."""
+        """Which of `metrics` are rates (`RewardSpec.rates`), added to the episode's `rates`."""
         self.over_budget: PromptTooLong | None = None
-        """A prompt the OpenAI endpoint refused as over `max_prompt_tokens`: the scheduler skips
-        the sample (as `rlvr`'s too-long prompt) whatever the agent did with the refusal."""
+        """A prompt the OpenAI endpoint refused as over `max_prompt_tokens`: skip the sample."""
         self._endpoint = endpoint  # the scheduler's, shared by its episodes (made when needed)
         self._app_made: OpenAIEndpoint | None = None
         self._recorder: Any = None  # openai_endpoint.Recorder
         self._key: str | None = None
 
     def chat(self, messages: list[dict[str, Any]], *, tools: Any = None) -> list[int]:
-        """The chat template applied to `messages` (and `tools`, for a template that renders
-        them), ending with the assistant's turn opener."""
+        """The chat template applied to `messages` (and `tools`), ending with the assistant's
+        turn opener; `PromptTooLong` past `max_prompt_tokens`."""
         ids = template_ids(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                       **_tools(tools)))
         if tools is not None:
@@ -89,30 +83,22 @@ class RolloutContext:
 
     def chat_delta(self, history: list[dict[str, Any]], new: list[dict[str, Any]], *,
                    tools: Any = None, completion: Completion | None = None) -> list[int]:
-        """Tokens the chat template renders between the model's last turn and the next
-        assistant turn when the messages `new` follow `history`, up to and including the next
-        assistant opener. `history[-1]` is the assistant turn the model just produced and
-        `completion` its tokens: the template's text after that turn's content is tokenized,
-        less the stop token the model already generated there (`<|im_end|>`, `<end_of_turn>`),
-        so the separator the template puts after it (ChatML's newline) is kept. Without
-        `completion` the model is taken to have ended its turn with the template's own
-        terminator. The model's tokens stay as generated."""
+        """Tokens the template renders after the model's turn `history[-1]` when `new` follow,
+        through the next assistant opener, less the stop token that ended the turn (read from its
+        tokens, `completion`, else the template's terminator), keeping the separator after it."""
         return self.tokens_after(self._around_turn(history, new, tools)[1], completion)
 
     def tokens_after(self, after: str, completion: Completion | None = None) -> list[int]:
-        """`after` (the template's text after a model turn, `turn_end`) tokenized, less the stop
-        token `completion` ends with when the text starts with it (see `chat_delta`)."""
+        """`after` (from `turn_end`) tokenized, less the stop token `completion` ends with."""
         stopped = (self._stop_text(completion.token_ids) if completion is not None
                    else self._leading_special(after))
         return self.encode(after[len(stopped):] if after.startswith(stopped) else after)
 
     def turn_end(self, history: list[dict[str, Any]], new: list[dict[str, Any]], *,
                  tools: Any = None) -> tuple[str, bool]:
-        """The template's text after the content of `history[-1]` (an assistant turn) when
-        `new` follow, up to the next assistant opener; and whether the template renders the
-        earlier turns and that turn's content unchanged once more turns follow (Qwen3's strips
-        `<think>` from past turns: a chained prompt would then differ from the one a server
-        renders for the same messages)."""
+        """The template's text after `history[-1]`'s content (an assistant turn) when `new`
+        follow, through the next assistant opener; and whether it re-renders earlier turns
+        unchanged (Qwen3's strips past `<think>`, so a chained prompt would differ)."""
         *before, reply = history
         prompt, after = self._around_turn(history, new, tools)
         unchanged = (prompt == self._render(before, tools) and
@@ -122,8 +108,6 @@ class RolloutContext:
 
     def _around_turn(self, history: list[dict[str, Any]], new: list[dict[str, Any]],
                      tools: Any) -> tuple[str, str]:
-        """The template's text before and after the content of `history[-1]` when `new`
-        follow: one rendering, with a marker for the content."""
         *before, reply = history
         marked = self._render([*before, {**reply, "content": _TURN}, *new], tools)
         prompt, found, after = marked.partition(_TURN)
@@ -148,14 +132,12 @@ class RolloutContext:
         return self.tokenizer.decode(list(token_ids[k:]), skip_special_tokens=False)
 
     def _leading_special(self, text: str) -> str:
-        """The special token `text` starts with, or ''."""
         ids = self.encode(text)[:1]
         return self._stop_text(ids) if ids else ""
 
     def stop_at(self, completion: Completion, marker: str) -> Completion:
-        """`completion` cut right after the token whose text completes `marker` (finish reason
-        "stop"), or unchanged when the marker does not occur. Dropped tokens never influenced
-        the kept ones, so their logprobs stay exact."""
+        """`completion` cut after the token that completes `marker` (finish reason "stop"), or
+        unchanged without it; the kept tokens' logprobs stay exact."""
         decode = self.tokenizer.decode
         if marker not in decode(completion.token_ids):
             return completion
@@ -190,12 +172,9 @@ class RolloutContext:
         return await self.pool.generate(request)
 
     async def reward(self, reward: Any, *args: Any, **kwargs: Any) -> float:
-        """Score with a registered reward (name, or the decorated function) in the reward runner:
-        a hung, crashing or raising reward scores its default. Its `metrics` function, if it
-        declares one, records the task's numbers for this episode in `self.metrics`; one that
-        raises or returns anything but {name: finite number} records nothing and counts as a
-        failure of the reward (`RewardRunner.score_with_metrics`), never one of the workflow.
-        The ones the reward declares rates go to `self.rates`."""
+        """Score with a registered reward (name or function) in the reward runner; a hung,
+        crashing or raising one scores its default. Its `metrics` go to `self.metrics` (rates to
+        `self.rates`); invalid ones count as the reward's failure, never the workflow's."""
         from areal_flow.reward.runner import resolve, score_with_metrics
 
         score, metrics = await score_with_metrics(self._score, reward, *args, **kwargs)
@@ -207,15 +186,10 @@ class RolloutContext:
                     pool: GenerationPool | None = None, tokenizer: Any = None,
                     scale: tuple[float, float] = (0, 10), timeout: float = 30.0,
                     default: float = 0.0, **sampling: Any) -> float:
-        """An LLM's grade of `completion` by `rubric`, in [0, 1] (`areal_flow.judges.judge`).
-
-        The judge (the policy's pool, or `pool` with its `tokenizer`) is asked to end with
-        ``Score: N``, N within `scale`; its last such line is mapped to [0, 1]. No score, one
-        outside `scale`, or no reply within `timeout` seconds scores `default`. Greedy unless
-        `sampling` (e.g. ``temperature=0.7, max_new_tokens=256``) says otherwise. Its tokens never
-        enter the episode. `self.metrics` gets the fraction of this episode's judge calls that
-        parsed (`judge_parsed`), were out of range (`judge_out_of_range`), timed out
-        (`judge_timeout`)."""
+        """An LLM's grade of `completion` by `rubric` in [0, 1] (`areal_flow.judges.judge`): the
+        judge (the policy's pool, or `pool`) is asked for ``Score: N``, N in `scale`; none, one out
+        of range or no reply in `timeout` s scores `default`. Greedy unless `sampling` says; its
+        tokens never enter the episode. `self.metrics` gets `judge_parsed` (etc.) fractions."""
         from areal_flow.judges.judge import Judge
 
         return await Judge(pool=pool, tokenizer=tokenizer, scale=scale, timeout=timeout,
@@ -224,19 +198,15 @@ class RolloutContext:
 
     async def reward_model(self, messages_or_text: str | list[dict[str, Any]], *,
                            model: Any) -> float:
-        """A learned reward model's score of a chat (messages, rendered with its chat template)
-        or a text (`areal_flow.judges.reward_model`). `model` is a `RewardModel` or the path of
-        one, loaded once per process; concurrent calls are scored in one batch."""
+        """`model`'s score of messages or a text (a `RewardModel`, or a path loaded once)."""
         from areal_flow.judges.reward_model import RewardModel, load
 
         rm = model if isinstance(model, RewardModel) else load(model)
         return await rm.score(messages_or_text)
 
     def openai_client(self) -> Any:
-        """An `openai.AsyncOpenAI` for this episode: `chat.completions.create` generates with
-        the pool (messages, tools, n, temperature, top_p, max_tokens, stop, seed) and records
-        each call's tokens; `recorded_episode()` makes them the episode. Needs `openai`
-        (`pip install 'areal-flow[agents]'`)."""
+        """An `openai.AsyncOpenAI` whose `chat.completions.create` generates with the pool and
+        records each call's tokens for `recorded_episode()`. Needs ``areal-flow[agents]``."""
         import httpx
 
         try:
@@ -249,18 +219,15 @@ class RolloutContext:
             http_client=httpx.AsyncClient(transport=httpx.ASGITransport(app=self._app().app)))
 
     async def openai_server(self) -> OpenAIAccess:
-        """A base URL and key of an OpenAI-compatible HTTP endpoint for this episode, for an
-        agent in another process or library (`openai.OpenAI(base_url=..., api_key=...)`); its
-        calls are recorded as `openai_client()`'s are."""
+        """Base URL and key of an OpenAI-compatible HTTP endpoint for an agent in another
+        process; its calls are recorded as `openai_client()`'s are."""
         from areal_flow.agents.openai_endpoint import OpenAIAccess
 
         return OpenAIAccess(await self._app().serve(), self._register())
 
     def recorded_episode(self, choice: int = 0) -> Episode:
-        """The episode the OpenAI calls made: one token sequence, the model's turns trained on
-        and the messages between them not (see `openai_endpoint.Recorder.episode`). It ends in
-        choice `choice` of the last request (the one the agent answered with, when it asked for
-        n > 1); each earlier turn is the choice whose reply the agent sent back."""
+        """The episode the OpenAI calls made, ending in choice `choice` of the last request; each
+        earlier turn is the choice whose reply the agent sent back."""
         if self._recorder is None:
             raise ValueError("no OpenAI client or server was opened in this episode: use "
                              "ctx.openai_client() or await ctx.openai_server() first")
@@ -321,8 +288,8 @@ _TOOLS_CHECKED: set[str] = set()  # templates already checked in this process
 
 def _warn_if_tools_unrendered(tokenizer: Any, messages: list[dict[str, Any]],
                               ids: list[int]) -> None:
-    """Warn once per template when it renders the same prompt with and without `tools`: the
-    model is never shown the tools it is given (the tiny model's and SmolLM2's templates)."""
+    """Warn once per template that renders the same prompt with and without `tools` (the tiny
+    model's and SmolLM2's): the model is never shown them."""
     template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else \
         repr(tokenizer.chat_template)
     if template in _TOOLS_CHECKED:
@@ -336,7 +303,6 @@ def _warn_if_tools_unrendered(tokenizer: Any, messages: list[dict[str, Any]],
 
 
 def template_ids(encoded: Any) -> list[int]:
-    """The token ids `apply_chat_template` gave."""
     # transformers 5 returns a BatchEncoding from apply_chat_template; older versions a list
     ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
     return [int(t) for t in ids]
