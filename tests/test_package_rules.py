@@ -138,3 +138,31 @@ def test_every_path_the_code_and_the_docs_name_exists():
     stale = {str(path.relative_to(ROOT)): found for path in texts
              if (found := stale_references(path.read_text()))}
     assert stale == {}
+
+
+def module_level_names(tree: ast.Module) -> set[str]:
+    """The names a module binds at its top level: definitions, assignments and imports."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+    return names
+
+
+def test_every_name_in_a_modules_all_is_defined_there():
+    """`from module import *` raises AttributeError on a name `__all__` lists and the module
+    lacks (a leftover of splitting a module in two)."""
+    missing = {}
+    for path in PACKAGE.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and any(
+                    getattr(t, "id", None) == "__all__" for t in node.targets):
+                listed = {elt.value for elt in node.value.elts}
+                if absent := sorted(listed - module_level_names(tree)):
+                    missing[str(path.relative_to(ROOT))] = absent
+    assert missing == {}

@@ -234,5 +234,3 @@ class Weights:
                             {"new_version": current, "abort_all_requests": True})
         server.label = current
 
-
-__all__ = ["GenerationError", "SGLangPool", "WeightUpdateError"]
