@@ -44,6 +44,8 @@ DOORS = {
     ("areal_flow.inference.sglang_servers", "areal_flow.launch.lease"):
         "a server another run holds is not admitted (the pool was given leases)",
     ("areal_flow.rl_recipes", "areal_flow.launch.allocation"): "a run given --allocation",
+    ("areal_flow.rl_recipes", "areal_flow.extra_algorithms.distill"):
+        "a run given --teacher: the teacher's tokenizer checked against --model's",
 }
 
 

@@ -92,3 +92,31 @@ class OnPolicyDistillation:
             kl = weight * torch.exp(logp - prox) * (logp - F.masked(mb["teacher_logprobs"], mask))
             stats["distill/reverse_kl"] = F.masked(kl, mask).sum() / mask.sum().clamp(min=1)
         return F.aggregate(per_token, mask, self.config.loss.aggregation, stats)
+
+
+def check_teacher(teacher: str, model: str) -> None:
+    """--teacher has --model's tokenizer (every token to the same id) and embeds all its ids; a
+    larger embedding is fine (Qwen2.5-7B pads 152064 rows, 0.5B 151936, for 151665 tokens)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    where = {}
+    for option, name in (("--teacher", teacher), ("--model", model)):
+        try:
+            where[option] = (AutoConfig.from_pretrained(name), AutoTokenizer.from_pretrained(name))
+        except (OSError, ValueError) as error:
+            raise ValueError(f"{option} {name}: no model config and tokenizer to check the "
+                             f"teacher against the student ({error})") from None
+    (t_config, t_tok), (s_config, s_tok) = where["--teacher"], where["--model"]
+    t_vocab, s_vocab = t_tok.get_vocab(), s_tok.get_vocab()
+    if t_vocab != s_vocab:
+        differ = sorted(set(t_vocab.items()) ^ set(s_vocab.items()), key=lambda kv: kv[1])
+        raise ValueError(
+            f"--teacher {teacher}: its tokenizer is not --model's ({len(t_vocab)} and "
+            f"{len(s_vocab)} tokens; first differing (token, id): {differ[:3]}): the teacher "
+            "scores the student's token ids, so both must share one tokenizer")
+    needed = max(s_vocab.values()) + 1
+    for option, name, config in (("--teacher", teacher, t_config), ("--model", model, s_config)):
+        rows = getattr(config, "vocab_size", None)
+        if rows is not None and rows < needed:
+            raise ValueError(f"{option} {name}: its embedding has {rows} rows, too few for the "
+                             f"tokenizer's ids 0..{needed - 1}")
