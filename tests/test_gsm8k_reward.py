@@ -101,6 +101,15 @@ def test_shown_work_is_a_calculation_before_the_answer(text, worked):
     assert gsm8k(text, answer="72", require_work=True) == float(worked and "72" in text)
 
 
+def test_with_required_work_the_format_credit_needs_a_calculation_too():
+    kwargs = {"answer": "72", "format_weight": 0.2, "require_work": True}
+    assert gsm8k("#### 71", **kwargs) == 0.0  # a bare '#### N' earns nothing
+    assert gsm8k("#### 72", **kwargs) == 0.0
+    assert gsm8k("8 * 9 = 71. #### 71", **kwargs) == pytest.approx(0.2)  # format and work
+    assert gsm8k("8 * 9 = 72. #### 72", **kwargs) == 1.0
+    assert gsm8k("8 * 9 = 72 apples", **kwargs) == pytest.approx(0.8)  # right, no '#### N'
+
+
 def test_the_recipes_default_reward_pays_only_for_a_right_answer_after_shown_work():
     from areal_flow import registry, rl_recipes
     from areal_flow.rl_recipes import RLConfig

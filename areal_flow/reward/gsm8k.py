@@ -75,13 +75,15 @@ def shows_work(text: str) -> bool:
         rates=("accuracy", "accuracy_lenient", "format", "work_shown"))
 def gsm8k(completion: str, *, answer: str, format_weight: float = 0.0,
           require_work: bool = False) -> float:
-    """1 for the right final number, else 0; with `require_work`, only after `shows_work`.
-    With `format_weight` w in [0, 1]: ``(1 - w) * correct + w * has_answer_format``, denser, but
-    a policy can game it by printing '#### <any number>'. `answer`: a number or GSM8K solution."""
+    """1 for the right final number, else 0. With `format_weight` w in [0, 1]:
+    ``(1 - w) * correct + w * has_answer_format``, denser, but a policy can game it by printing
+    '#### <any number>'. With `require_work`, both credits only after `shows_work`, so the format
+    credit asks for a calculation too. `answer`: a number or a GSM8K solution."""
     w = min(max(float(format_weight), 0.0), 1.0)
     reference = extract_answer(answer)
     predicted = extract_answer(completion)
     correct = reference is not None and predicted is not None and predicted == reference
-    if require_work:
-        correct = correct and shows_work(completion)
-    return (1.0 - w) * float(correct) + w * float(has_answer_format(completion))
+    formatted = has_answer_format(completion)
+    if require_work and not shows_work(completion):
+        correct = formatted = False
+    return (1.0 - w) * float(correct) + w * float(formatted)
