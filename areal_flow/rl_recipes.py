@@ -45,6 +45,10 @@ PROMPT = ("Answer the question. Show short reasoning, then the final number afte
           "Example question: Tom has 3 apples and buys 2 more. How many apples does he have?\n"
           "Example answer: 3 + 2 = 5. #### 5\n\nQuestion: {question}\nAnswer:")
 """A one-shot prompt: SmolLM2-135M then writes '#### N' in about 1 completion of 6."""
+DEFAULT_REWARD_KWARGS = {"require_work": True, "format_weight": 0.1}
+"""The gsm8k reward of the default run: 1 for the right number after a shown calculation, 0.1 for
+a wrong one in the '#### N' form after one. Without the 0.1, 21 of 24 steps had only flat groups
+(reward 0) and trained nothing; with it 22-23 of 24 trained (benchmarks/README.md)."""
 AllocationOption = Annotated[str | None, tyro.conf.arg(
     metavar="'generation: S servers [x tp T], training: R ranks [on ...]'")]
 """Kept as text: its grammar (`launch/allocation.py`) is loaded only when a run gives one."""
@@ -288,7 +292,7 @@ def workflow_config(cfg: RLConfig) -> Any:
         source = offline.source(cfg.dataset)  # e.g. reasoning_gym: its reward and prompt
         config = RLVRConfig(reward=source.reward, prompt_template=source.prompt_template) \
             if source is not None else \
-            RLVRConfig(prompt_template=PROMPT, reward_kwargs={"require_work": True})
+            RLVRConfig(prompt_template=PROMPT, reward_kwargs=dict(DEFAULT_REWARD_KWARGS))
     elif cfg.workflow_config is None:
         config = spec.config()
     elif cfg.workflow_config.lstrip().startswith("{"):

@@ -110,14 +110,18 @@ def test_with_required_work_the_format_credit_needs_a_calculation_too():
     assert gsm8k("8 * 9 = 72 apples", **kwargs) == pytest.approx(0.8)  # right, no '#### N'
 
 
-def test_the_recipes_default_reward_pays_only_for_a_right_answer_after_shown_work():
+def test_the_recipes_default_reward_pays_for_a_right_answer_after_shown_work_and_a_little_for_the_form():
     from areal_flow import registry, rl_recipes
     from areal_flow.rl_recipes import RLConfig
 
     config = rl_recipes.workflow_config(RLConfig())
     score = registry.rewards.get(config.reward)
     reference = "She has 8 bags of 9. 8 * 9 = 72. #### 72"
-    for unearned in ("#### 71", "#### 72", "72", "8 * 9 = 71. #### 71"):
+    for unearned in ("#### 71", "#### 72", "72", "8 * 9 = 71, so 71"):
         assert score(unearned, answer=reference, **config.reward_kwargs) == 0.0, unearned
-    for earned in ("8 * 9 = 72. #### 72", "8 bags of 9 make 8 * 9 = 72 apples."):
-        assert score(earned, answer=reference, **config.reward_kwargs) == 1.0, earned
+    # the form alone: a calculation, then '#### N' with the wrong N
+    assert score("8 * 9 = 71. #### 71", answer=reference, **config.reward_kwargs) == \
+        pytest.approx(0.1)
+    assert score("8 * 9 = 72. #### 72", answer=reference, **config.reward_kwargs) == 1.0
+    assert score("8 bags of 9 make 8 * 9 = 72 apples.", answer=reference,
+                 **config.reward_kwargs) == pytest.approx(0.9)
