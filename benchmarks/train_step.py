@@ -22,6 +22,7 @@ memory is its own:
   - X              the defaults without X
   512-token mb ... the recipes' defaults before 2026-11-26: 512-token packs, the mask, eager
   + act. ckpt      the defaults with activation checkpointing
+  2,048-token packs the defaults with packs of half the size (less memory, more steps' overhead)
 
     python benchmarks/train_step.py [--quick] [--out benchmarks/results/train_step.json]
 """
@@ -51,6 +52,7 @@ CONFIGS = {  # name -> (savings on, tokens per micro-batch)
     "512-token mb, - row attention - compile": (set(SAVINGS) - {"row attention", "compile"},
                                                  512),
     "+ act. ckpt": ({*SAVINGS, "act. ckpt"}, 4096),
+    "2,048-token packs": (set(SAVINGS), 2048),
 }
 
 
