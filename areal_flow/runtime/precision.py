@@ -25,9 +25,10 @@ SYNCHRONIZE = {"cuda": torch.cuda.synchronize}
 CHOICES = ("auto", *DTYPES)
 ROWS = {"train": 256, "decode": 16}
 """Rows of the probe GEMM: a slice of a training micro-batch; a decode batch."""
-TRAIN_ROWS = {"cuda": 8192}
-"""Training probe rows (a default micro-batch) on a device that outruns 256-row launches: at 256
-rows an H100's rate read a twentieth of its peak (MFU 16.6 % where 0.8 % was true)."""
+RATE_ROWS = {"cpu": 2048, "cuda": 8192}
+"""Rows of MFU's denominator (`gemm_rate`): a micro-batch's, where a GEMM reaches the device's
+rate. At 256 rows an H100 read a twentieth of its peak (MFU 16.6 % where 0.8 % was true), and
+fp32 on an AMX Xeon 0.136 TFLOP/s (a reasoning-gym run's MFU 123 %)."""
 PASS_SECONDS = 5e-3
 """A timed pass repeats the GEMMs this long, so a GPU's synchronize is a small part of it."""
 MARGIN = 1.2
@@ -92,28 +93,37 @@ def choose(dtype: str, model: str | Path, *, purpose: Literal["train", "decode"]
 
 
 def gemm_rate(model: str | Path, dtype: str, device: torch.device | str = "cpu") -> float:
-    """FLOP/s of the training probe's GEMM (this model's shapes) in `dtype`: MFU's denominator."""
-    shape, seconds = _probe(model, "train", torch.device(device))
-    m, k, n, count = shape
-    return 2 * m * k * n * count / seconds[dtype]
+    """FLOP/s in `dtype` of a GEMM of this model's shapes over `RATE_ROWS` rows: MFU's
+    denominator (only `dtype` is timed: a forced, emulated bf16 takes one slow call)."""
+    device = torch.device(device)
+    k, n, _ = _sizes(model)
+    shape = (RATE_ROWS.get(device.type, ROWS["train"]), k, n, 1)
+    key = (str(device), shape, dtype)
+    if key not in _measured:
+        _measured[key] = _seconds(shape, device, dtypes=(dtype,))[dtype]
+    return 2 * shape[0] * k * n / _measured[key]
 
 
 def _probe(model: str | Path, purpose: str,
            device: torch.device) -> tuple[tuple[int, int, int, int], dict[str, float]]:
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(model)
-    hidden = config.hidden_size
-    width = getattr(config, "intermediate_size", None) or 4 * hidden
-    k, n = min(hidden, WIDEST), min(width, WIDEST)
-    layers = getattr(config, "num_hidden_layers", 1) if purpose == "decode" else 1
-    rows = TRAIN_ROWS.get(device.type, ROWS[purpose]) if purpose == "train" else ROWS[purpose]
-    shape = (rows, k, n, max(1, min(layers, DECODE_BYTES // (4 * k * n))))
+    k, n, layers = _sizes(model)
+    layers = layers if purpose == "decode" else 1
+    shape = (ROWS[purpose], k, n, max(1, min(layers, DECODE_BYTES // (4 * k * n))))
     packed = purpose == "decode" and _packable(device)
     key = (str(device), shape, packed)
     if key not in _measured:
         _measured[key] = _seconds(shape, device, packed=packed)
     return shape, _measured[key]
+
+
+def _sizes(model: str | Path) -> tuple[int, int, int]:
+    """(hidden size, MLP width, layers) of `model`'s config, the sizes capped at `WIDEST`."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model)
+    width = getattr(config, "intermediate_size", None) or 4 * config.hidden_size
+    return (min(config.hidden_size, WIDEST), min(width, WIDEST),
+            getattr(config, "num_hidden_layers", 1))
 
 
 def _packable(device: torch.device) -> bool:
@@ -123,7 +133,7 @@ def _packable(device: torch.device) -> bool:
 
 
 def _seconds(shape: tuple[int, int, int, int], device: torch.device, budget: float = 0.2,
-             packed: bool = False) -> dict[str, float]:
+             packed: bool = False, dtypes: tuple[str, ...] = DTYPES) -> dict[str, float]:
     """Each dtype's fastest pass of `shape`, taking turns (so load slows both alike) for `budget`
     seconds; a dtype whose warm-up alone exceeds it (emulated bf16) is timed by that call."""
     from areal_flow.inference import packed_weights
@@ -134,7 +144,7 @@ def _seconds(shape: tuple[int, int, int, int], device: torch.device, budget: flo
     weights = [torch.full((n, k), 0.01) for _ in range(count)]  # (out, in), as nn.Linear's
     products = {name: (x.to(device, getattr(torch, name)),
                        [functools.partial(F.linear, weight=w.to(device, getattr(torch, name)))
-                        for w in weights]) for name in DTYPES}
+                        for w in weights]) for name in dtypes}
     if packed:  # bf16 as the engine's linear layers read it
         a, _ = products["bfloat16"]
         products["bfloat16"] = (a, [packed_weights.linear(w.to(device, torch.bfloat16))
@@ -152,8 +162,8 @@ def _seconds(shape: tuple[int, int, int, int], device: torch.device, budget: flo
         sync()
         return (time.perf_counter() - start) / repeat
 
-    best = {name: timed(name) for name in DTYPES}  # a warm-up, kept only if it is that slow
-    racing = [name for name in DTYPES if best[name] < budget]
+    best = {name: timed(name) for name in dtypes}  # a warm-up, kept only if it is that slow
+    racing = [name for name in dtypes if best[name] < budget]
     repeat = {}
     for name in racing:  # passes per timing: doubled until a timing lasts PASS_SECONDS
         repeat[name] = 1
