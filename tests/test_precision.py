@@ -121,12 +121,14 @@ def test_the_recorded_config_holds_the_choices_not_auto(monkeypatch, tiny_model_
     from areal_flow.config import InferenceConfig
     from areal_flow.runtime.engine import TrainConfig
 
-    monkeypatch.setattr(precision, "_seconds", lambda shape, device, budget=0.3, packed=False:
+    monkeypatch.setattr(precision, "_seconds",
+                        lambda shape, device, budget=0.3, packed=False, dtypes=precision.DTYPES:
                         {"float32": 4e-3, "bfloat16": 1e-3})
     monkeypatch.setattr(precision, "_measured", {})
 
     class Trainer:
         precision = choose("auto", tiny_model_dir, purpose="train")
+        device = torch.device("cpu")
 
     cfg = _Cfg(train=TrainConfig(dtype="auto"), inference=InferenceConfig(dtype="auto"))
     resolved, note = precision.measured(cfg, str(tiny_model_dir), ("train", Trainer()),
@@ -134,6 +136,7 @@ def test_the_recorded_config_holds_the_choices_not_auto(monkeypatch, tiny_model_
     assert resolved.train.dtype == "bfloat16" and resolved.inference.dtype == "bfloat16"
     assert note.splitlines()[1:] == [
         "train.dtype: bfloat16, measured (float32 4.00 ms, bfloat16 1.00 ms for a 256x96x192 GEMM)",
+        "train GEMM rate (MFU's denominator): 0.0755 TFLOP/s",  # 2 * 2048 * 96 * 192 / 1 ms
         "inference.dtype: bfloat16, measured (float32 4.00 ms, bfloat16 1.00 ms for a 16x96x192 "
         "GEMM with each of 2 weights)"]
 
@@ -157,6 +160,49 @@ def test_the_mfu_denominator_is_the_rate_in_the_dtype_in_use_over_a_micro_batch_
 
 
 
+def test_the_mfu_denominator_is_timed_at_start_not_beside_the_running_engine(
+        monkeypatch, tiny_model_dir):
+    """Timed at the first step, beside an engine decoding on the same cores, fp32's rate read
+    0.136 TFLOP/s against 0.39 quiet, and a reasoning-gym run's MFU 123 %: `measured`, which the
+    recipe calls before anything else runs, times it, and the steps reuse that timing."""
+    from areal_flow.config import InferenceConfig
+    from areal_flow.runtime.engine import TrainConfig
+
+    calls = []
+    monkeypatch.setattr(precision, "_seconds",
+                        lambda shape, device, budget=0.3, packed=False, dtypes=precision.DTYPES:
+                        calls.append(shape) or {name: 1e-3 for name in dtypes})
+    monkeypatch.setattr(precision, "_measured", {})
+
+    class Trainer:
+        precision = choose("float32", tiny_model_dir, purpose="train")
+        device = torch.device("cpu")
+
+    cfg = _Cfg(train=TrainConfig(dtype="float32"), inference=InferenceConfig(dtype="float32"))
+    precision.measured(cfg, str(tiny_model_dir), ("train", Trainer()))
+    timed_at_start = len(calls)
+    assert timed_at_start == 1
+    precision.gemm_rate(tiny_model_dir, "float32", "cpu")  # as `TrainEngine.mfu` at a step
+    assert len(calls) == timed_at_start
+
+
+def test_the_probe_multiplies_into_one_output_not_a_fresh_tensor_per_call(monkeypatch):
+    """With the trainer's 1 MiB mmap threshold (`engine._return_freed_memory`) a fresh output per
+    GEMM faulted its pages in on every call: bf16's rate read 1.08 TFLOP/s beside a live
+    trainer, 2.5 without it, and MFU over it twice the truth."""
+    outputs = []
+    real_mm = torch.mm
+
+    def mm(x, mat2, out=None):
+        outputs.append(out)
+        return real_mm(x, mat2, out=out)
+
+    monkeypatch.setattr(torch, "mm", mm)
+    precision._seconds((64, 32, 48, 2), torch.device("cpu"), budget=0.01)
+    assert outputs and all(out is not None for out in outputs)
+    assert len({id(out) for out in outputs}) == 2 * 2  # one per weight and dtype
+
+
 class _Clock:
     """A device on a fake clock: a GEMM costs `launch` seconds plus its FLOPs at `rate`, a
     synchronize `sync` seconds (an H100: about 5 µs to launch, tens of µs to synchronize)."""
@@ -164,16 +210,16 @@ class _Clock:
     def __init__(self, monkeypatch, rate=1e12, launch=0.0, sync=50e-6):
         self.now, self.rate, self.launch, self.cost = 0.0, rate, launch, sync
         monkeypatch.setattr(precision, "time", type("T", (), {"perf_counter": self.read}))
-        monkeypatch.setattr(precision, "F", type("F", (), {"linear": staticmethod(self.linear)}))
+        monkeypatch.setattr(torch, "mm", self.mm)
         monkeypatch.setitem(precision.SYNCHRONIZE, "cpu", self.sync)
         monkeypatch.setattr(precision, "_measured", {})
 
     def read(self):
         return self.now
 
-    def linear(self, x, weight):
-        self.now += self.launch + 2 * x.shape[0] * x.shape[1] * weight.shape[0] / self.rate
-        return x
+    def mm(self, x, mat2, out=None):
+        self.now += self.launch + 2 * x.shape[0] * x.shape[1] * mat2.shape[1] / self.rate
+        return out
 
     def sync(self):
         self.now += self.cost
@@ -232,12 +278,14 @@ def test_the_recorded_config_holds_the_mismatch_correction_the_precisions_chose(
     from areal_flow.config import InferenceConfig
     from areal_flow.runtime.engine import TrainConfig
 
-    monkeypatch.setattr(precision, "_seconds", lambda shape, device, budget=0.3, packed=False:
+    monkeypatch.setattr(precision, "_seconds",
+                        lambda shape, device, budget=0.3, packed=False, dtypes=precision.DTYPES:
                         {"float32": 4e-3, "bfloat16": 1e-3})
     monkeypatch.setattr(precision, "_measured", {})
 
     class Trainer:
         precision = choose("float32", tiny_model_dir, purpose="train")
+        device = torch.device("cpu")
 
     cfg = _RLCfg(train=TrainConfig(dtype="float32"), inference=InferenceConfig(dtype="auto"),
                  algorithm=GRPOConfig())

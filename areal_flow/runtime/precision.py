@@ -14,7 +14,6 @@ from typing import Any, Literal
 
 import attrs
 import torch
-import torch.nn.functional as F
 
 from areal_flow.config import PolicyLossConfig
 
@@ -142,8 +141,13 @@ def _seconds(shape: tuple[int, int, int, int], device: torch.device, budget: flo
     # the values do not change a GEMM's speed; filling is faster than drawing 100 MB at random
     x = torch.full((m, k), 0.01)
     weights = [torch.full((n, k), 0.01) for _ in range(count)]  # (out, in), as nn.Linear's
+    # into one output tensor: a fresh one per call is the allocator's cost, not the GEMM's (with
+    # the trainer's 1 MiB mmap threshold each call faulted its pages in, and bf16 read 1.08
+    # TFLOP/s against 2.5)
     products = {name: (x.to(device, getattr(torch, name)),
-                       [functools.partial(F.linear, weight=w.to(device, getattr(torch, name)))
+                       [functools.partial(torch.mm, mat2=w.to(device, getattr(torch, name)).t(),
+                                          out=torch.empty(m, n, dtype=getattr(torch, name),
+                                                          device=device))
                         for w in weights]) for name in dtypes}
     if packed:  # bf16 as the engine's linear layers read it
         a, _ = products["bfloat16"]
@@ -210,6 +214,9 @@ def measured(cfg: Any, model: str, *engines: tuple[str, Any],
         if engine is not None:
             changes[field] = attrs.evolve(getattr(cfg, field), dtype=engine.precision.dtype)
             choices.append(f"{field}.dtype: {engine.precision.describe()}")
+            # MFU's denominator, now: timed later, beside a decoding engine, it read 2.5x low
+            rate = gemm_rate(model, engine.precision.dtype, engine.device)
+            choices.append(f"{field} GEMM rate (MFU's denominator): {rate / 1e12:.3g} TFLOP/s")
     rollouts = None  # the engine's dtype, where known
     if getattr(cfg, "inference", None) is not None:
         rollouts = cfg.inference.dtype if cfg.inference.dtype in DTYPES else None  # not auto
