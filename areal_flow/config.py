@@ -114,6 +114,10 @@ class OptimizerConfig:
     """AdamW betas, each in [0, 1)."""
     warmup_steps: int = attrs.field(default=0, validator=v.ge(0))
     """Steps of linear warmup from 0 to lr."""
+    schedule: Literal["constant", "linear"] = attrs.field(
+        default="constant", validator=v.in_(("constant", "linear")))
+    """After warmup: lr held, or decayed linearly to 0 at the run's last optimizer step (TRL's
+    default)."""
     max_grad_norm: float = attrs.field(default=1.0, validator=v.gt(0.0))
     """Gradients are clipped to this global norm; a non-finite norm skips the step."""
 

@@ -72,7 +72,8 @@ def main(cfg: Config) -> None:
         tokenizer = AutoTokenizer.from_pretrained(session.model)
         eval_batch = collate_pairs(tokenizer, eval_pairs[rank::world]) if eval_pairs else None
         algorithm = DPO(cfg.algorithm)
-        trainer = TrainEngine(session.model, cfg.train)
+        trainer = TrainEngine(session.model, cfg.train,
+                              total_steps=cfg.steps * cfg.train.ppo_minibatches)
         # the initial weights, also on resume (LoRA: its base)
         ref = trainer.reference(session.model)
         session.resume(trainer)

@@ -61,9 +61,11 @@ def main(cfg: Config) -> None:
         rank, model = session.rank, session.model
         train_rows, eval_rows, data_note = rl_recipes.load_data(  # before weights load
             cfg, model, rank, workflow_config)
-        trainer = TrainEngine(model, cfg.train)
+        trainer = TrainEngine(model, cfg.train,
+                              total_steps=cfg.steps * cfg.train.ppo_minibatches)
         ref = trainer.reference(model) if "ref" in algorithm.roles else None  # LoRA: its base
-        critic = TrainEngine(model, cfg.critic, value=True) \
+        critic = TrainEngine(model, cfg.critic, value=True,
+                             total_steps=cfg.steps * cfg.critic.ppo_minibatches) \
             if "critic" in algorithm.roles else None
         teacher = TrainEngine(cfg.teacher, cfg.train, trainable=False) \
             if "teacher" in algorithm.roles else None  # --teacher, checked in load_data

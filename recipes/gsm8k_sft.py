@@ -61,7 +61,8 @@ def main(cfg: Config) -> None:
         eval_batch = collate_sft(tokenizer,
                                  [conversation(cfg, row) for row in eval_rows[rank::world]])
         algorithm = SFT(cfg.algorithm)
-        trainer = TrainEngine(session.model, cfg.train)
+        trainer = TrainEngine(session.model, cfg.train,
+                              total_steps=cfg.steps * cfg.train.ppo_minibatches)
         session.resume(trainer)
         cfg, measured = precision.measured(cfg, session.model, ("train", trainer))
         session.show(cfg, note=data_note, measured=measured, columns={

@@ -67,6 +67,32 @@ class SamplerState:
     position: int
 
 
+@pytest.mark.parametrize("schedule, expected", [
+    # fractions of the peak lr after each optimizer step: warmup 1 step, then down to 0 at the
+    # 4th step and held there
+    ("linear", [1.0, 2 / 3, 1 / 3, 0.0, 0.0]),
+    ("constant", [1.0] * 5),
+])
+def test_a_decaying_schedule_ends_at_zero_on_the_runs_last_step(world, tiny_model_dir,
+                                                                 schedule, expected):
+    trainer = TrainEngine(tiny_model_dir, TrainConfig(
+        optim=OptimizerConfig(lr=1e-2, warmup_steps=1, schedule=schedule),
+        max_tokens_per_mb=200), total_steps=4)
+    batch = fixed_batch(trainer.model.config.vocab_size)
+    lrs = []
+    for _ in range(5):
+        before = [p.detach().clone() for p in trainer.model.parameters()]
+        lrs.append(trainer.train(batch, TokenNLL())["lr"] / 1e-2)
+        moved = any(not torch.equal(a, p) for a, p in zip(before, trainer.model.parameters()))
+    assert lrs == pytest.approx(expected, abs=1e-9)
+    assert moved == (schedule == "constant")  # at lr 0 the fifth step leaves the weights
+
+
+def test_a_decaying_schedule_without_the_runs_length_is_an_error(world, tiny_model_dir):
+    with pytest.raises(ValueError, match="optim.schedule='linear'.*needs total_steps"):
+        TrainEngine(tiny_model_dir, TrainConfig(optim=OptimizerConfig(schedule="linear")))
+
+
 def test_resume_restores_the_lr_schedule_the_step_count_and_the_rng(world, tiny_model_dir,
                                                                     tmp_path):
     """Besides weights and optimizer moments: mid-warmup, the next steps' learning rates are the

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from attrs import validators as v
 from tensordict import TensorDict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from transformers import AutoModelForCausalLM, get_constant_schedule_with_warmup
+from transformers import AutoModelForCausalLM, get_scheduler
 
 from areal_flow.config import OptimizerConfig
 from areal_flow.lora import LoraConfig, add_adapters, is_adapter
@@ -108,7 +108,8 @@ class TrainEngine:
     (none when `trainable` is False: a frozen reference)."""
 
     def __init__(self, model: str | Path, config: TrainConfig, *, value: bool = False,
-                 trainable: bool = True):
+                 trainable: bool = True, total_steps: int | None = None):
+        """`total_steps`: the run's optimizer steps, where a decaying `optim.schedule` ends."""
         self.rank, self.world_size, self.device = init_distributed()
         _return_freed_memory()
         self.config = config
@@ -159,7 +160,13 @@ class TrainEngine:
             trained = [p for p in module.parameters() if p.requires_grad]
             self.optimizer = torch.optim.AdamW(trained, lr=o.lr, betas=o.betas,
                                                weight_decay=o.weight_decay, fused=True)
-            self.scheduler = get_constant_schedule_with_warmup(self.optimizer, o.warmup_steps)
+            if o.schedule != "constant" and not total_steps:
+                raise ValueError(f"optim.schedule={o.schedule!r} decays lr to 0 at the run's "
+                                 f"last optimizer step: TrainEngine needs total_steps (got "
+                                 f"{total_steps!r}); or use schedule='constant'")
+            self.scheduler = get_scheduler(
+                "constant_with_warmup" if o.schedule == "constant" else o.schedule,
+                self.optimizer, num_warmup_steps=o.warmup_steps, num_training_steps=total_steps)
         else:
             module.requires_grad_(False)
         self.steps = 0
