@@ -6,7 +6,8 @@ GRPOTrainer. Both get the same training rows and 200 held-out eval rows
 (areal_flow.data.reasoning_gym.train_eval_rows), the same user message (--prompt-template through
 the model's chat template, whose default system prompt SmolLM2 adds in both), the same reward
 (areal_flow.reward.reasoning_gym), P prompts x G completions x T max new tokens per step, the
-learning rate (constant, AdamW, no warmup or weight decay, grad-norm clip 1.0), steps and seed;
+learning rate and its schedule (constant or linear decay to 0; AdamW, no warmup or weight decay,
+grad-norm clip 1.0), steps and seed;
 temperature 1.0, no KL, one optimizer step per batch (num_iterations 1), token-level loss (TRL's
 "dapo" = areal_flow's "token" aggregation), group mean/std advantages, eps clip 0.2, fp32 weights
 for generation and training, EOS ends a completion. The eval protocol is the same: greedy decoding
@@ -18,12 +19,14 @@ same chat-templated prompt ids, batched with left padding, model in eval mode, n
 Training seconds exclude eval time on both sides: areal_flow's at step s is the sum of the
 recipe's `seconds/step` over steps 1..s (each measured before that step's eval runs); TRL's is
 the wall time since `on_train_begin` less the time spent in the eval callback. Model loading is
-in neither. Thresholds: start = areal_flow's step-0 accuracy (TRL's own is reported beside it:
-the same model and greedy decoding, so they should be close), final = areal_flow's last one, and
-threshold_q = start + q (final - start) for q = 0.5, 0.7; each side's time to a threshold is the
-training seconds at its first eval whose accuracy is at least that (None if it never is), and the
-ratio is TRL's time / areal_flow's (> 1: areal_flow gets there sooner). With final <= start no
-threshold is defined and none is reported. A time is only known to an eval interval: keep k small.
+in neither. Each seed runs both sides, one after the other. Thresholds: start = areal_flow's
+step-0 accuracy (the same model, greedy, on every seed; TRL's own step 0 is in the curves), TRL's
+mean gain = the mean of TRL's final accuracies over the seeds - start, and threshold_q = start +
+q x that gain for q = 0.5, 0.7. A run's time to a threshold is the training seconds at its first
+eval whose accuracy is at least that (never, if none is); each side reports every seed's time and
+their median (a run that never got there counts as later than all), and the ratio is TRL's median
+/ areal_flow's (> 1: areal_flow gets there sooner). With TRL's mean final <= start no threshold
+is defined. A time is only known to an eval interval: keep k small.
 
 Differences left:
 - areal_flow runs its recipe's default, asynchronous (max_staleness 1): its rollouts keep running
@@ -49,7 +52,8 @@ Install, in the venv of benchmarks/trl_grpo.py plus reasoning-gym (TRL stays out
 
     OMP_NUM_THREADS=2 .venv-bench/bin/python benchmarks/time_to_accuracy.py [--quick]
         [--task SPEC] [--steps N] [--eval-every K] [--prompts P] [--group G]
-        [--max-new-tokens T] [--lr LR] [--seed S] [--out FILE]
+        [--max-new-tokens T] [--lr LR] [--schedule constant|linear] [--seeds S ...]
+        [--out FILE]
     (default benchmarks/results/time_to_accuracy.json, and .png beside it)
 """
 
@@ -83,8 +87,9 @@ TASK = ("reasoning_gym:basic_arithmetic?min_terms=2&max_terms=3&max_digits=1"
 PROMPT = "{question} Reply with only the final answer."
 FRACTIONS = (0.5, 0.7)
 FULL = {"steps": 50, "eval_every": 10, "eval_size": 200, "prompts": 4, "group": 8,
-        "max_new_tokens": 24, "lr": 2e-5, "seed": 0}
+        "max_new_tokens": 24, "lr": 2e-5, "schedule": "constant"}
 QUICK = {**FULL, "steps": 3, "eval_every": 1, "eval_size": 8, "prompts": 2, "group": 4}
+SEEDS = (0, 1, 2)
 EVAL_BATCH = 64  # the local engine's default max_batch_size
 
 
@@ -122,7 +127,8 @@ def recipe_command(p: dict, run_dir: Path) -> list[str]:
         "--rollout.max-staleness", "1",
         "--rollout.max-concurrent", str(2 * p["prompts"] * p["group"]),
         "--sampling.max-new-tokens", str(p["max_new_tokens"]), "--sampling.temperature", "1.0",
-        "--train.optim.lr", str(p["lr"]), "--train.optim.warmup-steps", "0",
+        "--train.optim.lr", str(p["lr"]), "--train.optim.schedule", p["schedule"],
+        "--train.optim.warmup-steps", "0",
         "--train.optim.weight-decay", "0", "--train.optim.max-grad-norm", "1.0",
         "--train.dtype", "float32", "--inference.dtype", "float32", "--algorithm.kl-coef", "0",
         "--algorithm.loss.aggregation", "token", "--algorithm.loss.eps-clip", "0.2"]
@@ -264,7 +270,7 @@ def trl_worker(p: dict) -> dict:
             gradient_accumulation_steps=1, num_iterations=1, num_generations=p["group"],
             max_completion_length=p["max_new_tokens"], temperature=1.0, top_p=1.0, top_k=0,
             beta=0.0, loss_type="dapo", scale_rewards="group", epsilon=0.2,
-            learning_rate=p["lr"], lr_scheduler_type="constant", warmup_steps=0,
+            learning_rate=p["lr"], lr_scheduler_type=p["schedule"], warmup_steps=0,
             weight_decay=0.0, max_grad_norm=1.0, optim="adamw_torch",
             bf16=False, fp16=False, gradient_checkpointing=False, use_vllm=False,
             shuffle_dataset=False, report_to=[], logging_steps=1, save_strategy="no",
@@ -307,31 +313,46 @@ def subprocess_run(label: str, command: list[str], env: dict, log: Path) -> dict
             "loadavg_after": list(os.getloadavg())}
 
 
-def compare(areal_flow: list[dict], trl: list[dict]) -> dict:
-    """Thresholds from areal_flow's curve and each side's time to them."""
-    start, final = areal_flow[0]["accuracy"], areal_flow[-1]["accuracy"]
-    levels = thresholds(start, final)
-    out: dict = {"start_accuracy": start, "final_accuracy": final,
-                 "trl_start_accuracy": trl[0]["accuracy"],
-                 "trl_final_accuracy": trl[-1]["accuracy"]}
+def median_time(times: Sequence[float | None]) -> float:
+    """The median of the runs' times, a run that never got there counting as later than all
+    (inf where half or more never did)."""
+    return statistics.median(math.inf if t is None else t for t in times)
+
+
+def compare(runs: list[dict]) -> dict:
+    """Thresholds at `FRACTIONS` of TRL's mean gain over the start (areal_flow's step-0
+    accuracy: greedy decoding of the same model, the same on every seed), each run's time to
+    them, and the ratio of the two sides' median times."""
+    start = statistics.mean(r["areal_flow"]["curve"][0]["accuracy"] for r in runs)
+    trl_final = statistics.mean(r["trl"]["curve"][-1]["accuracy"] for r in runs)
+    out: dict = {"start_accuracy": start, "trl_mean_final_accuracy": trl_final,
+                 "areal_flow_mean_final_accuracy": statistics.mean(
+                     r["areal_flow"]["curve"][-1]["accuracy"] for r in runs)}
+    levels = thresholds(start, trl_final)
     if levels is None:
-        out.update(thresholds=None, note=f"areal_flow's final accuracy {final:.3f} is not above "
-                   f"its start {start:.3f}: no threshold is defined")
+        out.update(thresholds=None, note=f"TRL's mean final accuracy {trl_final:.3f} is not "
+                   f"above the start {start:.3f}: no threshold is defined")
         return out
     rows = []
     for q, level in levels.items():
-        ours = time_to_threshold([(c["train_s"], c["accuracy"]) for c in areal_flow], level)
-        theirs = time_to_threshold([(c["train_s"], c["accuracy"]) for c in trl], level)
-        row = {"fraction": q, "accuracy": level, "areal_flow_s": ours, "trl_s": theirs,
-               "ratio_trl_over_areal_flow": theirs / ours if theirs is not None and ours else None}
-        if theirs is None and ours:  # TRL never got there: it needs more than all its training
-            row["ratio_lower_bound"] = trl[-1]["train_s"] / ours
+        row: dict = {"fraction": q, "accuracy": level}
+        for side in ("areal_flow", "trl"):
+            times = [time_to_threshold([(c["train_s"], c["accuracy"]) for c in r[side]["curve"]],
+                                       level) for r in runs]
+            row[f"{side}_s"] = times
+            row[f"{side}_median_s"] = median_time(times)
+        ours, theirs = row["areal_flow_median_s"], row["trl_median_s"]
+        row["ratio_of_medians"] = theirs / ours if math.isfinite(theirs) and ours else None
+        if not math.isfinite(theirs) and math.isfinite(ours):  # TRL's median run never got
+            # there: it needs more than all its training
+            row["ratio_lower_bound"] = statistics.median(
+                r["trl"]["curve"][-1]["train_s"] for r in runs) / ours
         rows.append(row)
     out["thresholds"] = rows
     return out
 
 
-def run(p: dict) -> dict:
+def run(p: dict, seeds: Sequence[int]) -> dict:
     missing = [m for m in ("trl", "reasoning_gym") if importlib.util.find_spec(m) is None]
     if missing:
         sys.exit(f"{', '.join(missing)} not importable in {sys.executable}. This benchmark runs in "
@@ -345,19 +366,23 @@ def run(p: dict) -> dict:
     from areal_flow.data.offline import packaged_smollm2
 
     p = {**p, "model": str(packaged_smollm2())}
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        ours = subprocess_run("areal_flow", recipe_command(p, tmp / "areal_flow"), {},
-                              tmp / "areal_flow.log")
-        ours.update(areal_flow_curve(tmp / "areal_flow" / "metrics.jsonl"))
-        out = tmp / "trl.json"
-        theirs = subprocess_run("trl", [sys.executable, __file__],
-                                {WORKER_ENV: json.dumps({**p, "out": str(out)})}, tmp / "trl.log")
-        theirs.update(json.loads(out.read_text()))
-    for side in (ours, theirs):
-        assert [c["step"] for c in side["curve"]] == eval_steps(p), side["curve"]
-    return {"benchmark": NAME, "config": p, **compare(ours["curve"], theirs["curve"]),
-            "areal_flow": ours, "trl": theirs,
+    runs = []
+    for seed in seeds:  # the two sides of a seed one after the other, then the next seed
+        q = {**p, "seed": seed}
+        with tempfile.TemporaryDirectory() as tmp:
+            tmp = Path(tmp)
+            ours = subprocess_run(f"areal_flow seed {seed}", recipe_command(q, tmp / "areal_flow"),
+                                  {}, tmp / "areal_flow.log")
+            ours.update(areal_flow_curve(tmp / "areal_flow" / "metrics.jsonl"))
+            out = tmp / "trl.json"
+            theirs = subprocess_run(f"trl seed {seed}", [sys.executable, __file__],
+                                    {WORKER_ENV: json.dumps({**q, "out": str(out)})},
+                                    tmp / "trl.log")
+            theirs.update(json.loads(out.read_text()))
+        for side in (ours, theirs):
+            assert [c["step"] for c in side["curve"]] == eval_steps(p), side["curve"]
+        runs.append({"seed": seed, "areal_flow": ours, "trl": theirs})
+    return {"benchmark": NAME, "config": p, "seeds": list(seeds), **compare(runs), "runs": runs,
             "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                          "trl": trl.__version__},
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "cpus": os.cpu_count()}
@@ -367,42 +392,50 @@ def show(result: dict) -> None:
     c, v = result["config"], result["versions"]
     print(f"Time to accuracy, areal_flow recipe vs TRL {v['trl']} GRPOTrainer on "
           f"{c['task'].removeprefix('reasoning_gym:')}: {c['prompts']}x{c['group']}x"
-          f"{c['max_new_tokens']}, lr {c['lr']}, {c['steps']} steps, greedy eval on "
-          f"{c['eval_size']} problems every {c['eval_every']} (torch {v['torch']}, transformers "
-          f"{v['transformers']}, OMP_NUM_THREADS={result['omp_num_threads']}, "
-          f"{result['cpus']} CPUs); seconds = training seconds, evals excluded\n")
-    ours, theirs = result["areal_flow"]["curve"], result["trl"]["curve"]
-    print(markdown_table(
-        ["step", "areal_flow s", "areal_flow acc (95% CI)", "TRL s", "TRL acc (95% CI)"],
-        [[a["step"], f"{a['train_s']:.0f}",
-          f"{a['accuracy']:.3f} ({a['ci_low']:.3f}-{a['ci_high']:.3f})", f"{t['train_s']:.0f}",
-          f"{t['accuracy']:.3f} ({t['ci_low']:.3f}-{t['ci_high']:.3f})"]
-         for a, t in zip(ours, theirs)]))
+          f"{c['max_new_tokens']}, lr {c['lr']} ({c['schedule']}), {c['steps']} steps, seeds "
+          f"{result['seeds']}, greedy eval on {c['eval_size']} problems every {c['eval_every']} "
+          f"(torch {v['torch']}, transformers {v['transformers']}, OMP_NUM_THREADS="
+          f"{result['omp_num_threads']}, {result['cpus']} CPUs); seconds = training seconds, "
+          f"evals excluded\n")
+    runs = result["runs"]
+    header = ["step"] + [f"{side} s{r['seed']}" for side in ("areal_flow", "TRL") for r in runs]
+    table = []
+    for i, point in enumerate(runs[0]["areal_flow"]["curve"]):
+        cells = [point["step"]]
+        for side in ("areal_flow", "trl"):
+            cells += [f"{r[side]['curve'][i]['accuracy']:.3f} @ {r[side]['curve'][i]['train_s']:.0f} s"
+                      for r in runs]
+        table.append(cells)
+    print(markdown_table(header, table))
     print()
     if result["thresholds"] is None:
         print(result["note"])
     else:
-        def seconds(x):
-            return "not reached" if x is None else f"{x:.0f}"
+        def seconds(times):
+            return ", ".join("never" if t is None else f"{t:.0f}" for t in times)
+
+        def median(x):
+            return "never" if not math.isfinite(x) else f"{x:.0f}"
 
         def ratio(row):
-            if row["ratio_trl_over_areal_flow"] is not None:
-                return f"{row['ratio_trl_over_areal_flow']:.2f}x"
+            if row["ratio_of_medians"] is not None:
+                return f"{row['ratio_of_medians']:.2f}x"
             return f"> {row['ratio_lower_bound']:.2f}x" if "ratio_lower_bound" in row else "—"
 
-        print(f"start {result['start_accuracy']:.3f} (TRL's own {result['trl_start_accuracy']:.3f})"
-              f", areal_flow final {result['final_accuracy']:.3f} (TRL's "
-              f"{result['trl_final_accuracy']:.3f})\n")
+        print(f"start {result['start_accuracy']:.3f}; mean final: TRL "
+              f"{result['trl_mean_final_accuracy']:.3f}, areal_flow "
+              f"{result['areal_flow_mean_final_accuracy']:.3f}\n")
         print(markdown_table(
-            ["of the way to final", "accuracy", "areal_flow s", "TRL s", "TRL / areal_flow"],
+            ["of TRL's mean gain", "accuracy", "areal_flow s (each seed)", "median",
+             "TRL s (each seed)", "median", "TRL / areal_flow (medians)"],
             [[f"{r['fraction']:.0%}", f"{r['accuracy']:.3f}", seconds(r["areal_flow_s"]),
-              seconds(r["trl_s"]), ratio(r)] for r in result["thresholds"]]))
-    gain = result["areal_flow"]["eval_overlap_gain_s"]
-    load = [result[s]["loadavg_before"][0] for s in ("areal_flow", "trl")]
-    print(f"\nareal_flow's rollouts during evals: ~{gain:.0f} s of rollout wait spared"
-          if gain is not None else "\nareal_flow's rollouts during evals: no estimate (every step "
-          "follows an eval)", end="")
-    print(f"; 1-min load before: areal_flow {load[0]:.2f}, TRL {load[1]:.2f}")
+              median(r["areal_flow_median_s"]), seconds(r["trl_s"]), median(r["trl_median_s"]),
+              ratio(r)] for r in result["thresholds"]]))
+    gains = [r["areal_flow"]["eval_overlap_gain_s"] for r in runs]
+    load = [r[s]["loadavg_before"][0] for r in runs for s in ("areal_flow", "trl")]
+    print("\nareal_flow's rollouts during evals: rollout wait spared "
+          + ", ".join("—" if g is None else f"~{g:.0f} s" for g in gains)
+          + f"; 1-min load before each run: {min(load):.2f}-{max(load):.2f}")
 
 
 def plot(result: dict, path: Path) -> None:
@@ -415,22 +448,21 @@ def plot(result: dict, path: Path) -> None:
     trl = f"TRL {result['versions']['trl']} GRPOTrainer"
     for side, label, color in (("areal_flow", "areal_flow (recipe, η=1)", "tab:blue"),
                                ("trl", trl, "tab:orange")):
-        curve = result[side]["curve"]
-        x = [c["train_s"] for c in curve]
-        y = [c["accuracy"] for c in curve]
-        ax.fill_between(x, [c["ci_low"] for c in curve], [c["ci_high"] for c in curve],
-                        color=color, alpha=0.15, linewidth=0)
-        ax.plot(x, y, "o-", color=color, label=label)
+        for i, run in enumerate(result["runs"]):
+            curve = run[side]["curve"]
+            ax.plot([c["train_s"] for c in curve], [c["accuracy"] for c in curve], "o-",
+                    color=color, alpha=0.7, markersize=3,
+                    label=f"{label}, seeds {result['seeds']}" if i == 0 else None)
     for row in result["thresholds"] or []:
         ax.axhline(row["accuracy"], color="gray", linestyle=":", linewidth=1)
-        ax.annotate(f"{row['fraction']:.0%} of the way", (0, row["accuracy"]), fontsize=8,
-                    color="gray", xytext=(2, 2), textcoords="offset points")
+        ax.annotate(f"{row['fraction']:.0%} of TRL's mean gain", (0, row["accuracy"]),
+                    fontsize=8, color="gray", xytext=(2, 2), textcoords="offset points")
     c = result["config"]
     ax.set_xlabel("training seconds (eval excluded)")
-    ax.set_ylabel(f"greedy eval accuracy, strict ({c['eval_size']} problems, 95% Wilson)")
+    ax.set_ylabel(f"greedy eval accuracy, strict ({c['eval_size']} problems)")
     ax.set_title(f"SmolLM2-135M GRPO on {c['task'].removeprefix('reasoning_gym:').split('?')[0]}"
-                 f": {c['prompts']}x{c['group']}x{c['max_new_tokens']}, lr {c['lr']}, "
-                 f"{c['steps']} steps", fontsize=10)
+                 f": {c['prompts']}x{c['group']}x{c['max_new_tokens']}, lr {c['lr']} "
+                 f"({c['schedule']}), {c['steps']} steps", fontsize=10)
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left")
@@ -449,6 +481,8 @@ def cli() -> None:
                         help="the JSON; the PNG goes beside it")
     parser.add_argument("--task", default=TASK, help="a 'reasoning_gym:<task>?key=value&...' spec")
     parser.add_argument("--prompt-template", default=PROMPT)
+    parser.add_argument("--seeds", type=int, nargs="+", default=None,
+                        help=f"default {' '.join(map(str, SEEDS))} (0 with --quick)")
     for key, value in FULL.items():
         parser.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=None,
                             help=f"default {value} ({QUICK[key]} with --quick)")
@@ -456,7 +490,7 @@ def cli() -> None:
     p = {key: getattr(args, key) if getattr(args, key) is not None else default
          for key, default in (QUICK if args.quick else FULL).items()}
     p.update(task=args.task, prompt_template=args.prompt_template)
-    result = run(p)
+    result = run(p, args.seeds or ([0] if args.quick else SEEDS))
     show(result)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

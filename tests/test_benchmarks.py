@@ -55,3 +55,44 @@ def test_time_to_accuracy_reads_the_first_eval_at_or_above_each_threshold(monkey
     assert time_to_threshold(curve, levels[0.5]) == 90.0
     assert time_to_threshold(curve, levels[0.7]) == 170.0  # not 130: the first at or above
     assert time_to_threshold(curve, 12 / 200) is None
+
+
+def test_time_to_accuracy_over_seeds_takes_thresholds_from_trls_mean_gain(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from time_to_accuracy import compare
+
+    def side(points):
+        return {"curve": [{"train_s": s, "accuracy": a} for s, a in points]}
+
+    runs = [  # start 0.2 everywhere; TRL ends at 0.4, 0.3 and 0.2: a mean gain of 0.1
+        {"areal_flow": side([(0, 0.2), (10, 0.3), (20, 0.35)]),
+         "trl": side([(0, 0.2), (50, 0.22), (100, 0.4)])},
+        {"areal_flow": side([(0, 0.2), (10, 0.25), (20, 0.26)]),
+         "trl": side([(0, 0.2), (50, 0.3), (100, 0.3)])},
+        {"areal_flow": side([(0, 0.2), (10, 0.2), (20, 0.3)]),
+         "trl": side([(0, 0.2), (50, 0.2), (100, 0.2)])},
+    ]
+    result = compare(runs)
+    assert result["trl_mean_final_accuracy"] == pytest.approx(0.3)
+    half, most = result["thresholds"]
+    assert (half["fraction"], half["accuracy"]) == (0.5, pytest.approx(0.25))
+    assert half["areal_flow_s"] == [10, 10, 20] and half["trl_s"] == [100, 50, None]
+    # medians: a run that never got there is later than every other
+    assert (half["areal_flow_median_s"], half["trl_median_s"]) == (10, 100)
+    assert half["ratio_of_medians"] == pytest.approx(10.0)
+    assert (most["fraction"], most["accuracy"]) == (0.7, pytest.approx(0.27))
+    assert most["areal_flow_s"] == [10, None, 20] and most["trl_s"] == [100, 50, None]
+    assert most["areal_flow_median_s"] == 20 and most["ratio_of_medians"] == pytest.approx(5.0)
+    # TRL's median run never got there (mean final 0.4, 70 % at 0.34): all of its training
+    # (median 100 s) over areal_flow's median bounds the ratio from below
+    runs[0]["trl"] = side([(0, 0.2), (50, 0.2), (100, 0.8)])
+    runs[1]["trl"] = side([(0, 0.2), (50, 0.2), (120, 0.2)])
+    runs[1]["areal_flow"] = side([(0, 0.2), (10, 0.4), (20, 0.4)])
+    most = compare(runs)["thresholds"][1]
+    assert most["accuracy"] == pytest.approx(0.34)
+    assert most["trl_s"] == [100, None, None] and most["areal_flow_s"] == [20, 10, None]
+    assert most["ratio_of_medians"] is None and most["ratio_lower_bound"] == pytest.approx(5.0)
+    # nothing learned on TRL's side: no threshold
+    for run in runs:
+        run["trl"] = side([(0, 0.2), (100, 0.2)])
+    assert compare(runs)["thresholds"] is None
