@@ -96,3 +96,32 @@ def test_time_to_accuracy_over_seeds_takes_thresholds_from_trls_mean_gain(monkey
     for run in runs:
         run["trl"] = side([(0, 0.2), (100, 0.2)])
     assert compare(runs)["thresholds"] is None
+
+
+def test_reasoning_gym_seeds_counts_a_seed_as_learned_only_with_its_gain_and_interval(
+        monkeypatch, tmp_path):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from reasoning_gym_seeds import read_run, verdict
+
+    def run(final: float, ci_low: float, entropies=(2.0, 1.0, 0.5)) -> dict:
+        folder = tmp_path / f"{final}-{ci_low}-{entropies[-1]}"
+        folder.mkdir()
+        (folder / "config.yaml").write_text("# precision\nseed: 3\nsteps: 10\n")
+        lines = [{"step": 0, "eval/accuracy": 0.3, "eval/accuracy_ci_low": 0.24,
+                  "eval/accuracy_ci_high": 0.37}]
+        for step, entropy in enumerate(entropies, 1):  # a step's line, then its eval's
+            lines.append({"step": step, "entropy": entropy, "reward/mean": 0.5, "lr": 1e-5,
+                          "reward/flat_group_fraction": 0.25, "seconds/step": 6.0})
+        lines.append({"step": len(entropies), "eval/accuracy": final,
+                      "eval/accuracy_ci_low": ci_low, "eval/accuracy_ci_high": final + 0.07})
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+        return read_run(folder)
+
+    learned = run(0.38, 0.31)
+    assert learned["seed"] == 3 and [c["step"] for c in learned["curve"]] == [0, 3]
+    v = verdict(learned)
+    assert v["learned"] and v["gain"] == pytest.approx(0.08) and not v["collapsed"]
+    assert v["minutes"] == pytest.approx(0.3) and v["entropy_min"] == 0.5
+    assert not verdict(run(0.37, 0.31))["learned"]  # +7 points
+    assert not verdict(run(0.40, 0.29))["learned"]  # +10, but the interval reaches the start
+    assert verdict(run(0.40, 0.33, entropies=(2.0, 1.0, 0.39)))["collapsed"]  # < 20 % of 2.0
