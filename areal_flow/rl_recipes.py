@@ -534,10 +534,12 @@ def batch_metrics(cfg: RLConfig, batch, scheduler: RolloutScheduler) -> dict[str
 
 
 def memory_parts(trainer: Any, pool: Any) -> dict[str, float]:
-    """memory/<part>_gb: this rank's weights, gradients, optimizer state, in-process engine."""
+    """memory/<part>_gb: this rank's weights, gradients, optimizer state, in-process engine
+    (its weights; `kv_cache`: the KV cache of the rows it holds between steps)."""
     out = {f"memory/{part}_gb": gb for part, gb in trainer.memory_gb().items()}
     if isinstance(pool, LocalEngine):
         out["memory/engine_gb"] = pool.memory_gb()
+        out["memory/kv_cache_gb"] = pool.kv_cache_gb()
     return out
 
 

@@ -109,6 +109,27 @@ def test_keeping_rows_drops_the_padding_columns_none_of_them_needs():
     assert torch.equal(batch.cache.layers[0].keys, keys[1:, :, 2:])
 
 
+def test_the_kv_caches_bytes_count_each_room_once_and_keep_a_kept_rows_room():
+    """`KVBatch.nbytes` (the recipe's memory/kv_cache_gb): keys and values of every layer, each
+    storage once; rows kept in place leave their slot room allocated, and it says so."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=8, num_attention_heads=2, num_key_value_heads=2,
+                         num_hidden_layers=2, intermediate_size=16, vocab_size=32)
+    batch = kv_batch.KVBatch(config)
+    assert batch.nbytes() == 0
+    mask = torch.ones(3, 5, dtype=torch.long)
+    layers = [(torch.randn(3, 2, 5, 4), torch.randn(3, 2, 5, 4)) for _ in range(2)]
+    batch.append(kv_batch.KVBatch(config, slots=False).wrap(layers), mask)
+    rooms = [layer._room_keys.numel() for layer in batch.cache.layers]  # slots: room to grow
+    assert batch.nbytes() == 2 * sum(rooms) * 4 and sum(rooms) >= 2 * 3 * 2 * 5 * 4
+    batch.keep([0, 2])  # in place: the room stays, its view narrows
+    assert batch.cache.layers[0].keys.shape[0] == 2
+    assert batch.nbytes() == 2 * sum(rooms) * 4
+    batch.clear()
+    assert batch.nbytes() == 0
+
+
 def test_left_padded_rows_give_integer_positions_a_position_table_can_take():
     """Models with learned positions (GPT-2's `wpe`) index a table with the positions: the ids
     and the mask they come from are integers, the pads are the pad id."""

@@ -390,6 +390,7 @@ def test_the_memory_parts_are_the_weights_gradients_moments_and_the_engines_copi
         assert parts["memory/gradients_gb"] == pytest.approx(params)  # every weight is trained
         assert parts["memory/optimizer_gb"] == 0  # AdamW makes its moments at the first step
         assert parts["memory/engine_gb"] == pytest.approx(pool.weight_bytes / 2**30)  # a copy
+        assert parts["memory/kv_cache_gb"] == 0  # no rows held
         trainer.train(fixed_batch(trainer.model.config.vocab_size), TokenNLL())
         trainer.sync_weights(pool, 1)  # the engine now reads the trainer's own tensors
         parts = memory_parts(trainer, pool)

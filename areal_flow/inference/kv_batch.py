@@ -67,6 +67,15 @@ class KVBatch:
     def clear(self) -> None:
         self.cache, self.mask = None, None
 
+    def nbytes(self) -> int:
+        """Bytes the keys and values hold, whole slot rooms included (a kept row's view keeps
+        its room); safe to call from another thread while the engine steps."""
+        cache = self.cache
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for layer in (cache.layers if cache is not None else ())
+                    for t in (layer.keys, layer.values) if t is not None}
+        return sum(storages.values())
+
     def wrap(self, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
         """A cache over per-layer (keys, values); with slots, plain layers become `SlotLayer`s."""
         cache = DynamicCache(ddp_cache_data=layers, config=self.config)

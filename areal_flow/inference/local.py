@@ -268,6 +268,10 @@ class LocalEngine:
                      if type(m) is torch.nn.Linear and "forward" in m.__dict__)
         return ((0 if self.weights.shared else self.weight_bytes) + packed) / 2**30
 
+    def kv_cache_gb(self) -> float:
+        """GB the running (or paused) rows' KV cache holds now."""
+        return self._kv.nbytes() / 2**30
+
     def stats(self) -> dict[str, float]:
         """Counters since the last call, plus current queue sizes."""
         # The engine thread only ever increments `_totals`; reporting differences of snapshots
