@@ -18,7 +18,9 @@ memory is its own:
                    under rows x longest <= the budget) into packs of up to 4,096 tokens, each
                    row attending on its own (`TrainConfig.packed_attention`; off: through the
                    pack's block-diagonal mask); the MLPs and norms compiled
-                   (`TrainConfig.compile`, where a C++ compiler is)
+                   (`TrainConfig.compile`, where a C++ compiler is), their backward
+                   recomputing the MLP's product (`compiled_layers.ACTIVATION_BUDGET`; off:
+                   the partitioner keeps it)
   - X              the defaults without X
   512-token mb ... the recipes' defaults before 2026-11-26: 512-token packs, the mask, eager
   + act. ckpt      the defaults with activation checkpointing
@@ -43,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import main, markdown_table  # noqa: E402
 
 SAVINGS = ["loss positions", "written-out head", "skip flat rows", "fused AdamW",
-           "freed memory", "packing", "row attention", "compile"]
+           "freed memory", "packing", "row attention", "compile", "activation budget"]
 CONFIGS = {  # name -> (savings on, tokens per micro-batch)
     "before": (set(), 8192),
     "defaults": (set(SAVINGS), 4096),
@@ -156,6 +158,10 @@ def one(model: str, name: str, steps: int) -> dict:
         logprobs._chunk = autograd_chain
     if "freed memory" not in on:
         engine_module._return_freed_memory = lambda: None
+    if "activation budget" not in on:  # the partitioner keeps all it would
+        from areal_flow.runtime import compiled_layers
+
+        compiled_layers.ACTIVATION_BUDGET = 1.0
     engine = (TrainEngine if "loss positions" in on else FullHead)(model, TrainConfig(
         optim=OptimizerConfig(lr=1e-6), dtype="auto",
         max_tokens_per_mb=mb_tokens, packed_attention="row attention" in on,

@@ -733,6 +733,35 @@ def test_compiled_layers_take_the_eager_step(world, tiny_model_dir, dtype):
     assert counters["stats"]["unique_graphs"] > graphs  # the compiled parts ran
 
 
+@pytest.mark.skipif(compiled_layers.cpu_compiler() is None, reason="torch.compile needs a C++ "
+                    "compiler on a CPU")
+def test_a_compiled_mlp_keeps_gate_and_up_for_backward_and_recomputes_their_product(
+        tiny_model_dir):
+    """`compiled_layers.ACTIVATION_BUDGET`: of the MLP's intermediate-width tensors, backward
+    keeps the gate and up projections' outputs (their GEMMs are not redone) and recomputes
+    silu(gate) * up, which the partitioner would otherwise keep as well."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    compiled_layers.compile_pointwise_parts(model.model)
+    mlp, width = model.model.layers[0].mlp, model.config.intermediate_size
+    for rows in (24, 40):  # the second shape runs the dynamic graph
+        x = torch.randn(rows, model.config.hidden_size, requires_grad=True)
+        kept = []
+
+        def keep(t):
+            if t.dim() == 2 and t.shape == (rows, width):
+                kept.append(t.detach().clone())
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            mlp(x).sum().backward()
+    with torch.no_grad():
+        gate, up = mlp.gate_proj(x), mlp.up_proj(x)
+    assert len(kept) == 2, [t.shape for t in kept]
+    assert {min(range(2), key=lambda i: (t - (gate, up)[i]).abs().max()) for t in kept} == {0, 1}
+    assert all(min((t - r).abs().max() for r in (gate, up)) < 1e-5 for t in kept)
+
+
 def test_compile_on_without_a_cpu_compiler_names_the_field(monkeypatch):
     """Refused when the recipe's config is built (before any model is read), naming the
     option; "auto" then runs eager."""
