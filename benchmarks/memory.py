@@ -4,10 +4,10 @@ training step saves for backward.
     python benchmarks/memory.py stations [--steps 8] [recipe options]
         recipes/gsm8k_grpo.py in this process (eval off), resident memory sampled every 10 ms:
         before, peak during and after each of the trainer's stations, a line per call
-    python benchmarks/memory.py saved [--checkpointing]
+    python benchmarks/memory.py saved [--checkpointing] [--budget B]
         one `TrainEngine.train` of `train_step.py`'s batch on the SmolLM2-135M shape with the RL
-        recipes' training settings: the tensors autograd saves for backward, by last dimension
-        and dtype (each storage once)
+        recipes' training settings (B: another `compiled_layers.ACTIVATION_BUDGET`): the tensors
+        autograd saves for backward, by last dimension and dtype (each storage once)
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def stations(steps: int, options: list[str]) -> None:
 
         def call(self, *args, **kwargs):
             before, between = rss_gb(), peak[0]
-            peak[0] = 0.0
+            peak[0] = before  # a call shorter than the sampling interval peaks at its start
             out = method(self, *args, **kwargs)
             print(f"| {name} | {between:.2f} | {before:.2f} | {peak[0]:.2f} | {rss_gb():.2f} |",
                   flush=True)
@@ -74,9 +74,9 @@ def saved(checkpointing: bool, budget: float | None = None) -> None:
     import torch
 
     if budget is not None:  # the min-cut partitioner's share of activations to keep
-        import torch._functorch.config
+        from areal_flow.runtime import compiled_layers
 
-        torch._functorch.config.activation_memory_budget = budget
+        compiled_layers.ACTIVATION_BUDGET = budget
 
     from areal_flow.algorithms.grpo import GRPO, GRPOConfig
     from areal_flow.config import OptimizerConfig, PolicyLossConfig
