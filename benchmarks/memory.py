@@ -61,13 +61,12 @@ def stations(steps: int, options: list[str]) -> None:
         setattr(engine.TrainEngine, name, watched(name))
     print("| station | peak since the last station GB | before GB | peak during GB | after GB |\n"
           "|---|---|---|---|---|")
-    run_dir = Path(tempfile.mkdtemp()) / "run"
+    # the recipe ends the process (`exit_process`): its folder is cleared before, not after
+    run_dir = Path(tempfile.gettempdir()) / "areal_flow_memory_stations"
+    shutil.rmtree(run_dir, ignore_errors=True)
     sys.argv = ["gsm8k_grpo.py", "--steps", str(steps), "--eval-size", "0", "--run-dir",
                 str(run_dir), *options]
-    try:
-        runpy.run_path(str(ROOT / "recipes" / "gsm8k_grpo.py"), run_name="__main__")
-    finally:
-        shutil.rmtree(run_dir.parent, ignore_errors=True)
+    runpy.run_path(str(ROOT / "recipes" / "gsm8k_grpo.py"), run_name="__main__")
 
 
 def saved(checkpointing: bool, budget: float | None = None) -> None:

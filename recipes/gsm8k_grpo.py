@@ -64,8 +64,8 @@ def main(cfg: Config) -> None:
         trainer = TrainEngine(model, cfg.train,
                               total_steps=cfg.steps * cfg.train.ppo_minibatches)
         ref = trainer.reference(model) if "ref" in algorithm.roles else None  # LoRA: its base
-        critic = TrainEngine(model, cfg.critic, value=True,
-                             total_steps=cfg.steps * cfg.critic.ppo_minibatches) \
+        critic = TrainEngine(model, cfg.critic, value=True,  # steps with each policy mini-batch
+                             total_steps=cfg.steps * cfg.train.ppo_minibatches) \
             if "critic" in algorithm.roles else None
         teacher = TrainEngine(cfg.teacher, cfg.train, trainable=False) \
             if "teacher" in algorithm.roles else None  # --teacher, checked in load_data
