@@ -340,15 +340,67 @@ class LossOutput:
     stats: dict[str, float | torch.Tensor] = attrs.field(factory=dict)
 
 
+@attrs.frozen(kw_only=True)
+class MicroBatch:
+    """What a loss reads: rows of one optimizer step, on the trainer's device; [rows, tokens]
+    tensors aligned with ``input_ids`` unless marked [rows]. The runtime sets every field up to
+    ``minibatch_progress`` (``policy_version``: RL batches, from the scheduler); each role, the
+    field it names; an algorithm's `advantages`, ``advantages`` (and ``returns``)."""
+
+    loss_mask: torch.Tensor
+    """Tokens the loss trains on (the model's own tokens)."""
+    logprobs: torch.Tensor | None = None
+    """log π_behav: the rollout engine's log-probability of each token, 0 off `loss_mask`."""
+    input_ids: torch.Tensor | None = None
+    attention_mask: torch.Tensor | None = None
+    versions: torch.Tensor | None = None
+    """The policy version that sampled each token (-1 off `loss_mask`)."""
+    rewards: torch.Tensor | None = None
+    """[rows] the episode's reward."""
+    group_ids: torch.Tensor | None = None
+    """[rows] rows of one group share an id (`collate_groups`)."""
+    truncated: torch.Tensor | None = None
+    """[rows] the last model turn hit its token budget."""
+    temperature: torch.Tensor | None = None
+    """[rows] the sampling temperature `ModelOutput.logprobs` are taken at."""
+    minibatch_progress: torch.Tensor | None = None
+    """[rows] the fraction of this batch's optimizer steps already taken (0 on the first)."""
+    policy_version: torch.Tensor | None = None
+    """[rows] the trainer's version when the batch was made (RL batches)."""
+    advantages: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+    prox_logprobs: torch.Tensor | None = None
+    """log π_prox, the ``actor`` role's forward at the weights before this batch's first step."""
+    ref_logprobs: torch.Tensor | None = None
+    """The ``ref`` role's forward (the frozen reference model)."""
+    values: torch.Tensor | None = None
+    """The ``critic`` role's values before the update."""
+    teacher_logprobs: torch.Tensor | None = None
+    """The ``teacher`` role's forward."""
+    columns: TensorDict | None = None
+    """The batch's other columns: an algorithm's own (DPO's ``chosen``), a workflow's."""
+
+    @property
+    def rows(self) -> int:
+        return self.loss_mask.shape[0]
+
+    @classmethod
+    def of(cls, batch: TensorDict) -> MicroBatch:
+        """The micro-batch of a TensorDict's rows: its keys named as fields go to the fields."""
+        named = set(attrs.fields_dict(cls)) - {"columns"}
+        return cls(**{key: batch[key] for key in named & set(batch.keys())},
+                   columns=batch.exclude(*named))
+
+
 @runtime_checkable
 class Algorithm(Protocol):
     """Loss steps on tensors; never touches processes, devices or sharding.
 
-    ``roles``: models whose pre-update forward it needs: ``actor`` → ``prox_logprobs``,
-    ``ref`` → ``ref_logprobs``, ``critic`` → ``values`` (then also define ``critic_loss(out, mb)
-    -> LossOutput``), ``teacher`` → ``teacher_logprobs`` (frozen, same tokenizer). Rows also
-    carry ``policy_version`` and ``minibatch_progress`` (fraction of the batch's optimizer steps
-    taken). Optional attributes: `AlgorithmCapabilities`."""
+    ``roles``: models whose pre-update forward it needs, each filling a `MicroBatch` field (and
+    the batch key of that name): ``actor`` → ``prox_logprobs``, ``ref`` → ``ref_logprobs``,
+    ``critic`` → ``values`` (then also define ``critic_loss(out, mb) -> LossOutput``),
+    ``teacher`` → ``teacher_logprobs`` (frozen, same tokenizer). Optional attributes:
+    `AlgorithmCapabilities`."""
 
     roles: tuple[Role, ...]
 
@@ -356,7 +408,7 @@ class Algorithm(Protocol):
         """Once per batch, without gradients, after the role forwards filled their keys."""
         ...
 
-    def loss(self, out: ModelOutput, mb: TensorDict) -> LossOutput:
+    def loss(self, out: ModelOutput, mb: MicroBatch) -> LossOutput:
         """Once per micro-batch."""
         ...
 

@@ -38,14 +38,14 @@ class TokenNLL:
         return batch
 
     def loss(self, out, mb):
-        mask = mb["loss_mask"].float()
+        mask = mb.loss_mask.float()
         return LossOutput(loss_sum=-(out.logprobs * mask).sum(), normalizer=mask.sum(),
                           unit="tokens")
 
 
 class SequenceNLL(TokenNLL):
     def loss(self, out, mb):
-        mask = mb["loss_mask"].float()
+        mask = mb.loss_mask.float()
         per_seq = -(out.logprobs * mask).sum(-1) / mask.sum(-1).clamp(min=1)
         return LossOutput(loss_sum=per_seq.sum(), normalizer=len(per_seq), unit="sequences")
 
@@ -54,7 +54,7 @@ class WrongMicroBatchMean(TokenNLL):
     """The classic bug: averaging inside each micro-batch, then counting micro-batches."""
 
     def loss(self, out, mb):
-        mask = mb["loss_mask"].float()
+        mask = mb.loss_mask.float()
         return LossOutput(loss_sum=-(out.logprobs * mask).sum() / mask.sum(), normalizer=1.0,
                           unit="sequences")
 

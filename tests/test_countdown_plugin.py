@@ -25,7 +25,7 @@ from tensordict import TensorDict
 
 from areal_flow.testing.contract import check_reward
 from areal_flow.testing.strategies import answered, completion_text
-from areal_flow.types import ModelOutput, RewardSpec, SamplingParams
+from areal_flow.types import MicroBatch, ModelOutput, RewardSpec, SamplingParams
 from areal_flow.workflow.context import RolloutContext
 from tests.helpers import ScriptedPool, install_plugin, metrics, plugin_rows, run_cli, run_python, run_recipe
 
@@ -287,13 +287,14 @@ def test_loo_loss_gradient_matches_the_hand_derived_one(ct):
     prox = behav + torch.tensor([[0.0, 0.0, 0.3, 1.0, -0.2], [0.0, 0.1, 0.0, -0.4, 0.0]])
     shift = torch.tensor([[0.0, 0.05, 0.5, -0.1, 0.1], [0.0, -0.5, 0.1, 0.05, 0.0]])
     logp = (prox + shift).requires_grad_()
-    loo = ct.LOO(ct.LOOConfig(clip_eps=eps, weight_cap=cap))
+    loo = ct.LOO(ct.LOOConfig(clip_eps=eps, weight_cap=cap, recompute_proximal=True))
+    assert loo.roles == ("actor",)
     batch = loo.advantages(TensorDict({
         "rewards": torch.tensor([1.0, 0.1]), "group_ids": torch.tensor([0, 0]),
         "loss_mask": mask}, batch_size=[2]))
     assert batch["advantages"][:, 1].tolist() == pytest.approx([0.9, -0.9])
-    mb = TensorDict({"loss_mask": mask, "advantages": batch["advantages"], "logprobs": behav,
-                     "prox_logprobs": prox}, batch_size=[2])
+    mb = MicroBatch(loss_mask=mask, advantages=batch["advantages"], logprobs=behav,
+                    prox_logprobs=prox)
     result = loo.loss(ModelOutput(logprobs=logp), mb)
     assert (result.normalizer, result.unit) == (7.0, "tokens")
     (result.loss_sum / result.normalizer).backward()
@@ -317,12 +318,13 @@ def test_loo_on_policy_gradient_is_reinforce_with_the_leave_one_out_baseline(ct)
     behav = torch.tensor([[0.0, -1.0, -2.0], [0.0, -0.3, 0.0], [0.0, -0.8, -0.1]])
     logp = behav.clone().requires_grad_()
     loo = ct.LOO()
+    assert loo.roles == ()
     batch = loo.advantages(TensorDict({
         "rewards": torch.tensor([1.0, 0.0, 0.1]), "group_ids": torch.tensor([4, 4, 4]),
         "loss_mask": mask, "logprobs": behav, "versions": torch.where(mask, 3, -1),
         "policy_version": torch.tensor([3, 3, 3]), "minibatch_progress": torch.zeros(3)},
         batch_size=[3]))
-    result = loo.loss(ModelOutput(logprobs=logp), batch)
+    result = loo.loss(ModelOutput(logprobs=logp), MicroBatch.of(batch))
     (result.loss_sum / result.normalizer).backward()
     advantages = torch.tensor([1.0 - 0.05, 0.0 - 0.55, 0.1 - 0.5])  # r_i - mean of the others
     torch.testing.assert_close(logp.grad, torch.where(mask, -advantages[:, None] / 5, 0.0))

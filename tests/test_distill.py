@@ -20,7 +20,7 @@ from tensordict import TensorDict
 
 from areal_flow.extra_algorithms.distill import DistillConfig, OnPolicyDistillation
 from areal_flow.config import PolicyLossConfig
-from areal_flow.types import ModelOutput
+from areal_flow.types import MicroBatch, ModelOutput
 from tests.helpers import metrics, run_recipe, run_recipe_cases
 
 # ----------------------------------------------------------------------------------- advantages
@@ -65,7 +65,8 @@ def grpo_reference(rewards: list[float], groups: list[int], i: int) -> float:
        st.booleans())
 def test_advantages_match_a_loop(data, gamma, task_weight, prox):
     groups, mask, old, teacher, rewards = data
-    algo = OnPolicyDistillation(DistillConfig(kl_discount=gamma, task_weight=task_weight))
+    algo = OnPolicyDistillation(DistillConfig(kl_discount=gamma, task_weight=task_weight,
+                                              loss=PolicyLossConfig(recompute_proximal=prox)))
     got = algo.advantages(batch_of(groups, mask, old, teacher, rewards, prox))["advantages"]
     for i in range(len(groups)):
         live = [t for t in range(mask.shape[1]) if mask[i, t]]
@@ -106,7 +107,7 @@ def loss_batch(old, teacher, behav, mask, advantages=None, gamma=0.0):
     batch = TensorDict({"loss_mask": mask, "logprobs": behav, "prox_logprobs": old,
                         "teacher_logprobs": teacher, "rewards": torch.zeros(rows),
                         "group_ids": torch.arange(rows)}, batch_size=[rows])
-    return OnPolicyDistillation(DistillConfig(kl_discount=gamma)).advantages(batch)
+    return MicroBatch.of(OnPolicyDistillation(DistillConfig(kl_discount=gamma)).advantages(batch))
 
 
 def test_loss_gradient_by_hand():
@@ -236,7 +237,7 @@ class Recorder:
     def loss(self, out, mb):
         from areal_flow.types import LossOutput
 
-        mask = mb["loss_mask"].float()
+        mask = mb.loss_mask.float()
         return LossOutput(loss_sum=-(out.logprobs * mask).sum(), normalizer=mask.sum(),
                           unit="tokens")
 

@@ -23,7 +23,7 @@ from areal_flow.data import offline
 from areal_flow.extra_algorithms.preference import (PreferencePair, collate_pairs, gsm8k_format_pairs,
                                         pair_from_row)
 from areal_flow.runtime.microbatch import groups_to_ranks, micro_batches, minibatch_of_rows
-from areal_flow.types import ModelOutput
+from areal_flow.types import MicroBatch, ModelOutput
 from tests.helpers import ROOT, metrics, run_recipe
 
 CONFIGS = [DPOConfig(), DPOConfig(beta=0.5, label_smoothing=0.2), DPOConfig(loss_type="ipo"),
@@ -79,7 +79,8 @@ def dpo_on(batch, logp, mask, order, config, parts):
     total, norm = 0.0, 0.0
     for part in parts:
         index = torch.tensor(part, dtype=torch.long)
-        out = DPO(config).loss(ModelOutput(logprobs=model[index]), batch[index])
+        out = DPO(config).loss(ModelOutput(logprobs=model[index]),
+                                  MicroBatch.of(batch[index]))
         assert out.unit == "sequences"
         total, norm = total + out.loss_sum, norm + out.normalizer
     (total / norm).backward()
@@ -151,7 +152,8 @@ def test_metrics_are_the_batch_rewards_before_the_update():
     ref = torch.full((4, 2), -1.0)
     batch = DPO(DPOConfig(beta=0.5)).advantages(make_batch([(0, 1), (2, 3)], logp, ref, mask,
                                                            [0, 1, 2, 3]))
-    out = DPO(DPOConfig(beta=0.5)).loss(ModelOutput(logprobs=logp), batch[torch.tensor([2])])
+    out = DPO(DPOConfig(beta=0.5)).loss(ModelOutput(logprobs=logp),
+                                             MicroBatch.of(batch[torch.tensor([2])]))
     # β·h: chosen 0 and 0.5·(−1) = −0.5, rejected 0 and 0: margins 0 and −0.5, none > 0
     assert {k: float(v) for k, v in out.stats.items()} == {
         "rewards/chosen": -0.25, "rewards/rejected": 0.0, "rewards/margin": -0.25,

@@ -306,12 +306,12 @@ class CountingNLL(TokenNLL):
         self.skips_zero_advantage_rows = weighted
 
     def loss(self, out, mb):
-        mask = mb["loss_mask"].float()
-        weight = mb["advantages"] if self.skips_zero_advantage_rows else 1.0
-        self.rows.append(mb.batch_size[0])
+        mask = mb.loss_mask.float()
+        weight = mb.advantages if self.skips_zero_advantage_rows else 1.0
+        self.rows.append(mb.rows)
         return LossOutput(loss_sum=-(weight * out.logprobs * mask).sum(),
                           normalizer=self.constant if self.unit == "constant" else mask.sum(),
-                          unit=self.unit, stats={"rows": torch.tensor(float(mb.batch_size[0]))})
+                          unit=self.unit, stats={"rows": torch.tensor(float(mb.rows))})
 
 
 def summed_nll_gradients(model_dir, batch) -> dict[str, torch.Tensor]:
@@ -542,7 +542,7 @@ def test_each_minibatch_sees_how_far_the_weights_have_moved(world, tiny_model_di
 
     class Recording(TokenNLL):
         def loss(self, out, mb):
-            seen.append(sorted(set(mb["minibatch_progress"].tolist())))
+            seen.append(sorted(set(mb.minibatch_progress.tolist())))
             return super().loss(out, mb)
 
     e = engine(tiny_model_dir, ppo_minibatches=3)
@@ -597,7 +597,7 @@ def test_activation_checkpointing_recomputes_the_layers_and_keeps_the_gradients(
         world, tiny_model_dir, value):
     class ValueMSE(TokenNLL):
         def loss(self, out, mb):
-            mask = mb["loss_mask"].float()
+            mask = mb.loss_mask.float()
             return LossOutput(loss_sum=((out.values - 1) ** 2 * mask).sum(),
                               normalizer=mask.sum(), unit="tokens")
 

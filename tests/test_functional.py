@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from areal_flow.algorithms import functional as F
 from areal_flow.algorithms.grpo import GRPOConfig
 from areal_flow.config import PolicyLossConfig
-from areal_flow.types import ModelOutput
+from areal_flow.types import MicroBatch, ModelOutput
 
 finite = st.floats(-10, 10, allow_nan=False, width=32)
 
@@ -116,9 +116,9 @@ def test_the_kl_in_the_loss_has_the_reverse_kl_gradient_under_any_sampler(dists,
                                                             aggregation=aggregation))
     expected_loss = 0.0
     for y in range(len(logp)):  # A = 0: the loss is the KL term alone
-        mb = {"loss_mask": torch.tensor([[True]]), "logprobs": one_token(behav[y]),
-              "prox_logprobs": one_token(prox[y]), "ref_logprobs": one_token(ref[y]),
-              "advantages": torch.zeros(1, 1, dtype=torch.float64)}
+        mb = MicroBatch(loss_mask=torch.tensor([[True]]), logprobs=one_token(behav[y]),
+                        prox_logprobs=one_token(prox[y]), ref_logprobs=one_token(ref[y]),
+                        advantages=torch.zeros(1, 1, dtype=torch.float64))
         out = F.actor_loss(ModelOutput(logprobs=one_token(logp[y])), mb, config)
         expected_loss = expected_loss + behav[y].exp() * out.loss_sum
     (grad,) = torch.autograd.grad(expected_loss, theta)
@@ -142,8 +142,8 @@ def test_garbage_at_padded_positions_changes_nothing(garbage, recompute, aggrega
     clean = {key: -2 * torch.rand(2, 3, generator=g) * mask
              for key in ("logp", "entropy", "logprobs", "prox_logprobs", "ref_logprobs")}
     clean["advantages"] = torch.randn(2, 3, generator=g) * mask
-    config = GRPOConfig(kl_coef=0.1, entropy_coef=0.01,
-                        loss=PolicyLossConfig(aggregation=aggregation))
+    config = GRPOConfig(kl_coef=0.1, entropy_coef=0.01, loss=PolicyLossConfig(
+        aggregation=aggregation, recompute_proximal=recompute))
     results = []
     for pad in (0.0, garbage):
         x = {key: torch.where(mask, t, pad) for key, t in clean.items()}
@@ -153,7 +153,7 @@ def test_garbage_at_padded_positions_changes_nothing(garbage, recompute, aggrega
               "minibatch_progress": torch.tensor([0.5, 0.5]), **x}
         if not recompute:
             del mb["prox_logprobs"]
-        out = F.actor_loss(ModelOutput(logprobs=logp, entropy=entropy), mb, config)
+        out = F.actor_loss(ModelOutput(logprobs=logp, entropy=entropy), MicroBatch(**mb), config)
         out.loss_sum.backward()
         assert all(math.isfinite(float(v)) for v in out.stats.values()), out.stats
         assert (logp.grad[~mask] == 0).all() and (entropy.grad[~mask] == 0).all()
@@ -319,14 +319,15 @@ def test_a_positive_entropy_coefficient_raises_the_policys_entropy(aggregation):
             return (entropy_of(logits)[0] * mask).sum() / mask.sum()
 
     before = masked_mean_entropy()
-    config = GRPOConfig(entropy_coef=0.5, loss=PolicyLossConfig(aggregation=aggregation))
+    config = GRPOConfig(entropy_coef=0.5, loss=PolicyLossConfig(aggregation=aggregation,
+                                                                 recompute_proximal=False))
     optimizer = torch.optim.SGD([logits], lr=5.0)
     for _ in range(5):
         entropy, logp = entropy_of(logits)
-        mb = {"loss_mask": mask, "advantages": torch.zeros(2, 4),
-              "logprobs": logp.detach(), "versions": torch.ones(2, 4, dtype=torch.long),
-              "policy_version": torch.tensor([1, 1]),
-              "minibatch_progress": torch.tensor([0.5, 0.5])}
+        mb = MicroBatch(loss_mask=mask, advantages=torch.zeros(2, 4), logprobs=logp.detach(),
+                        versions=torch.ones(2, 4, dtype=torch.long),
+                        policy_version=torch.tensor([1, 1]),
+                        minibatch_progress=torch.tensor([0.5, 0.5]))
         out = F.actor_loss(ModelOutput(logprobs=logp, entropy=entropy), mb, config)
         optimizer.zero_grad()
         (out.loss_sum / out.normalizer).backward()
@@ -386,8 +387,8 @@ def test_the_entropy_and_kl_statistics_are_means_per_loss_token():
         logp = -torch.rand(mask.shape, generator=g, dtype=torch.float64) * mask
         ref = -torch.rand(mask.shape, generator=g, dtype=torch.float64) * mask
         entropy = torch.rand(mask.shape, generator=g, dtype=torch.float64) * mask
-        mb = {"loss_mask": mask, "logprobs": logp, "prox_logprobs": logp, "ref_logprobs": ref,
-              "advantages": torch.zeros(mask.shape, dtype=torch.float64)}
+        mb = MicroBatch(loss_mask=mask, logprobs=logp, prox_logprobs=logp, ref_logprobs=ref,
+                        advantages=torch.zeros(mask.shape, dtype=torch.float64))
         out = F.actor_loss(ModelOutput(logprobs=logp, entropy=entropy), mb, config)
         cells = [(float(logp[i, j]), float(ref[i, j]), float(entropy[i, j]))
                  for i, j in mask.nonzero().tolist()]
@@ -414,9 +415,9 @@ def test_the_policy_loss_uses_the_configured_clip_ranges_dual_clip_and_cap():
     mask = torch.tensor([[True] * 5 + [False]])
     pad = torch.tensor([[7.0]], dtype=torch.float64)
     logp = torch.cat([ratio.log()[None], pad], 1).requires_grad_()
-    mb = {"loss_mask": mask, "logprobs": torch.cat([behav[None], pad], 1),
-          "prox_logprobs": torch.zeros(1, 6, dtype=torch.float64),
-          "advantages": torch.cat([adv[None], pad], 1)}
+    mb = MicroBatch(loss_mask=mask, logprobs=torch.cat([behav[None], pad], 1),
+                    prox_logprobs=torch.zeros(1, 6, dtype=torch.float64),
+                    advantages=torch.cat([adv[None], pad], 1))
     config = PolicyLossConfig(eps_clip=0.1, eps_clip_high=0.3, dual_clip=3.0,
                               importance_weight_cap=1.5)
     loss, stats = F.decoupled_policy_loss(logp, mb, config)
@@ -445,9 +446,10 @@ def test_a_ratio_exactly_at_the_cap_is_not_counted_as_capped():
     log_r = torch.tensor([[math.log(cap), math.log(cap) + 1e-6, 0.0]], dtype=torch.float64)
     w, capped = F.importance_weight(log_r, torch.zeros_like(log_r), cap)
     assert w.tolist() == [[cap, cap, 1.0]] and capped.tolist() == [[False, True, False]]
-    mb = {"loss_mask": torch.ones(1, 3, dtype=torch.bool), "logprobs": torch.zeros_like(log_r),
-          "prox_logprobs": log_r, "advantages": torch.zeros_like(log_r),
-          "versions": torch.ones(1, 3, dtype=torch.long), "policy_version": torch.tensor([1])}
+    mb = MicroBatch(loss_mask=torch.ones(1, 3, dtype=torch.bool),
+                    logprobs=torch.zeros_like(log_r), prox_logprobs=log_r,
+                    advantages=torch.zeros_like(log_r),
+                    versions=torch.ones(1, 3, dtype=torch.long), policy_version=torch.tensor([1]))
     config = PolicyLossConfig(mismatch_correction="tis", mismatch_cap=cap)
     *_, stats = F.behavior_weight(log_r, mb, config)
     assert stats["mismatch/outside_cap_fraction"].item() == pytest.approx(1 / 3)
@@ -455,10 +457,10 @@ def test_a_ratio_exactly_at_the_cap_is_not_counted_as_capped():
 
 def test_an_empty_micro_batch_has_zero_mismatch_stats():
     empty = torch.zeros(0, 4, dtype=torch.float64)
-    mb = {"loss_mask": torch.zeros(0, 4, dtype=torch.bool), "logprobs": empty,
-          "prox_logprobs": empty, "advantages": empty,
-          "versions": torch.zeros(0, 4, dtype=torch.long),
-          "policy_version": torch.zeros(0, dtype=torch.long)}
+    mb = MicroBatch(loss_mask=torch.zeros(0, 4, dtype=torch.bool), logprobs=empty,
+                    prox_logprobs=empty, advantages=empty,
+                    versions=torch.zeros(0, 4, dtype=torch.long),
+                    policy_version=torch.zeros(0, dtype=torch.long))
     *_, stats = F.behavior_weight(empty, mb, PolicyLossConfig(mismatch_correction="tis"))
     assert {k: float(v) for k, v in stats.items()} == dict.fromkeys(stats, 0.0)
     assert "mismatch/abs_log_ratio_max" in stats

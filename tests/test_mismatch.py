@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import math
 
+import attrs
 import pytest
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from tensordict import TensorDict
 
 from areal_flow.algorithms import functional as F
 from areal_flow.algorithms.grpo import GRPO, GRPOConfig
 from areal_flow.algorithms.ppo import PPO, PPOConfig
 from areal_flow.config import OptimizerConfig, PolicyLossConfig
-from areal_flow.types import ModelOutput
+from areal_flow.types import MicroBatch, ModelOutput
 
 MODES = ["none", "tis", "token_mask", "sequence_mask", "geometric_mask"]
 PV = 3  # the policy version being trained in the hand-built batches
@@ -100,7 +102,7 @@ def to_mb(rows, *, recompute, progress, pad=0.0):
           "minibatch_progress": torch.full((len(rows),), float(progress))}
     if not recompute:
         del mb["prox_logprobs"]
-    return mb, column(4).requires_grad_()
+    return MicroBatch(**mb), column(4).requires_grad_()
 
 
 delta = st.floats(-1.5, 1.5, allow_nan=False)
@@ -130,7 +132,8 @@ def test_loss_and_metrics_match_the_reference(rows, mode, cap, tis_cap, band, re
                                               progress, pad):
     assume(not near_a_bound(rows, band, tis_cap, recompute))
     config = PolicyLossConfig(mismatch_correction=mode, importance_weight_cap=cap,
-                              mismatch_cap=tis_cap, mismatch_band=band)
+                              mismatch_cap=tis_cap, mismatch_band=band,
+                              recompute_proximal=recompute)
     mb, logp = to_mb(rows, recompute=recompute, progress=progress, pad=pad)
     per_token, stats = F.decoupled_policy_loss(logp, mb, config)
     tokens, metrics = reference(rows, mode=mode, cap=cap, tis_cap=tis_cap, band=band,
@@ -188,11 +191,10 @@ def mask_batch(recompute):
 @pytest.mark.parametrize("mode", ["token_mask", "sequence_mask", "geometric_mask"])
 def test_masked_tokens_get_zero_loss_and_gradient_and_the_rest_are_untouched(mode, recompute):
     mb, logp = mask_batch(recompute)
-    base = PolicyLossConfig(mismatch_band=(0.5, 2.0))
+    base = PolicyLossConfig(mismatch_band=(0.5, 2.0), recompute_proximal=recompute)
     loss_none, grad_none = grad_of(mb, logp, base)
-    loss, grad = grad_of(mb, logp, PolicyLossConfig(mismatch_correction=mode,
-                                                    mismatch_band=(0.5, 2.0)))
-    mask = mb["loss_mask"]
+    loss, grad = grad_of(mb, logp, attrs.evolve(base, mismatch_correction=mode))
+    mask = mb.loss_mask
     dropped = torch.zeros_like(mask)
     for i, t in DROPPED[mode]:
         dropped[i, t] = True
@@ -201,15 +203,16 @@ def test_masked_tokens_get_zero_loss_and_gradient_and_the_rest_are_untouched(mod
     kept = mask & ~dropped
     torch.testing.assert_close(grad[kept], grad_none[kept], rtol=0, atol=0)
     torch.testing.assert_close(loss[kept], loss_none[kept], rtol=0, atol=0)
-    _, stats = F.decoupled_policy_loss(logp, mb, PolicyLossConfig(mismatch_correction=mode))
+    _, stats = F.decoupled_policy_loss(logp, mb, attrs.evolve(base, mismatch_correction=mode))
     assert stats["mismatch/masked_fraction"].item() == pytest.approx(len(DROPPED[mode]) / 11)
     # the KL term in the loss carries the same weight: with A = 0 it is all there is
-    mb["advantages"] = torch.zeros_like(mb["advantages"])
-    mb["ref_logprobs"] = mb["logprobs"] - 0.3
+    mb = attrs.evolve(mb, advantages=torch.zeros_like(mb.advantages),
+                      ref_logprobs=mb.logprobs - 0.3)
     grads = {}
     for m in ("none", mode):
         x = logp.detach().clone().requires_grad_()
-        config = GRPOConfig(kl_coef=0.5, loss=PolicyLossConfig(mismatch_correction=m))
+        config = GRPOConfig(kl_coef=0.5, loss=PolicyLossConfig(mismatch_correction=m,
+                                                               recompute_proximal=recompute))
         F.actor_loss(ModelOutput(logprobs=x), mb, config).loss_sum.backward()
         grads[m] = x.grad
     assert (grads["none"][dropped] != 0).all() and (grads[mode][dropped] == 0).all()
@@ -225,9 +228,10 @@ def test_tis_scales_the_gradient_by_the_truncated_ratio_without_differentiating_
     rows = [[(True, PV if t < 3 else PV - 1, -1.0, -1.0 + lr,
               -1.0 + lr + (0.1 if recompute else 0.0), 0.7) for t, lr in enumerate(log_r)]]
     mb, logp = to_mb(rows, recompute=recompute, progress=0.0)
-    config = PolicyLossConfig(mismatch_correction="tis", mismatch_cap=2.0)
+    config = PolicyLossConfig(mismatch_correction="tis", mismatch_cap=2.0,
+                              recompute_proximal=recompute)
     loss, grad = grad_of(mb, logp, config)
-    _, grad_none = grad_of(mb, logp, PolicyLossConfig())
+    _, grad_none = grad_of(mb, logp, PolicyLossConfig(recompute_proximal=recompute))
     rho = math.exp(0.1) if recompute else 1.0  # without recompute, π_prox = π_θ at step one
     for t, lr in enumerate(log_r):
         w = min(math.exp(lr), 2.0) if t < 3 else math.e  # stale: the decoupled weight, cap 5
@@ -257,13 +261,13 @@ def random_batch(seed, *, recompute, identical):
     if not recompute:
         del mb["prox_logprobs"]
     entropy = torch.rand(3, 6, generator=g, dtype=torch.float64)
-    return mb, torch.where(mask, logp, 0.0), torch.where(mask, entropy, 0.0)
+    return MicroBatch(**mb), torch.where(mask, logp, 0.0), torch.where(mask, entropy, 0.0)
 
 
-def actor(mb, logp, entropy, mode, aggregation="token"):
+def actor(mb, logp, entropy, mode, recompute, aggregation="token"):
     config = GRPOConfig(kl_coef=0.1, entropy_coef=0.01, loss=PolicyLossConfig(
         mismatch_correction=mode, aggregation=aggregation, mismatch_cap=1.5,
-        mismatch_band=(0.9, 1.1)))
+        mismatch_band=(0.9, 1.1), recompute_proximal=recompute))
     logp, entropy = logp.clone().requires_grad_(), entropy.clone().requires_grad_()
     out = F.actor_loss(ModelOutput(logprobs=logp, entropy=entropy), mb, config)
     out.loss_sum.backward()
@@ -275,15 +279,15 @@ def actor(mb, logp, entropy, mode, aggregation="token"):
 @pytest.mark.parametrize("mode", MODES[1:])
 def test_every_correction_is_a_no_op_when_train_and_rollout_agree(mode, recompute, seed):
     mb, logp, entropy = random_batch(seed, recompute=recompute, identical=True)
-    base, grad, _ = actor(mb, logp, entropy, "none")
-    out, got, _ = actor(mb, logp, entropy, mode)
+    base, grad, _ = actor(mb, logp, entropy, "none", recompute)
+    out, got, _ = actor(mb, logp, entropy, mode, recompute)
     assert out.loss_sum.item() == pytest.approx(base.loss_sum.item(), rel=1e-12, abs=1e-15)
     torch.testing.assert_close(got, grad, rtol=1e-12, atol=1e-15)
     assert out.stats["mismatch/abs_log_ratio_max"].item() == 0.0
     # and they are not when the two disagree (tight band, small cap: every option acts)
     mb, logp, entropy = random_batch(seed, recompute=recompute, identical=False)
-    base, grad, _ = actor(mb, logp, entropy, "none")
-    _, got, _ = actor(mb, logp, entropy, mode)
+    base, grad, _ = actor(mb, logp, entropy, "none", recompute)
+    _, got, _ = actor(mb, logp, entropy, mode, recompute)
     assert not torch.allclose(got, grad)
 
 
@@ -292,13 +296,14 @@ def test_every_correction_is_a_no_op_when_train_and_rollout_agree(mode, recomput
 @pytest.mark.parametrize("mode", MODES)
 def test_garbage_at_padded_positions_changes_nothing(mode, recompute, garbage):
     mb, logp, entropy = random_batch(7, recompute=recompute, identical=False)
-    mask = mb["loss_mask"]
+    mask = mb.loss_mask
     results = []
     for pad in (0.0, garbage):
-        dirty = {k: torch.where(mask, v, pad) if v.dtype == torch.float64 else v
-                 for k, v in mb.items()}
+        dirty = attrs.evolve(mb, **{k: torch.where(mask, v, pad) for k, v in attrs.asdict(
+            mb, recurse=False).items() if v is not None and v.dtype == torch.float64})
         out, grad, egrad = actor(dirty, torch.where(mask, logp, pad),
-                                 torch.where(mask, entropy, pad), mode, aggregation="sequence")
+                                 torch.where(mask, entropy, pad), mode, recompute,
+                                 aggregation="sequence")
         assert all(math.isfinite(float(v)) for v in out.stats.values()), out.stats
         assert (grad[~mask] == 0).all() and (egrad[~mask] == 0).all()
         results.append((out.loss_sum.detach(), grad, {k: float(v) for k, v in out.stats.items()}))
@@ -315,21 +320,53 @@ def test_garbage_at_padded_positions_changes_nothing(mode, recompute, garbage):
 def test_grpo_and_ppo_report_the_mismatch_every_step(algorithm):
     mb, logp, entropy = random_batch(3, recompute=True, identical=False)
     out = algorithm.loss(ModelOutput(logprobs=logp, entropy=entropy), mb)
-    fresh = mb["loss_mask"] & (mb["versions"] == PV)
-    size = (mb["prox_logprobs"] - mb["logprobs"])[fresh].abs()
+    fresh = mb.loss_mask & (mb.versions == PV)
+    size = (mb.prox_logprobs - mb.logprobs)[fresh].abs()
     assert out.stats["mismatch/measured_fraction"].item() == pytest.approx(
-        fresh.sum().item() / mb["loss_mask"].sum().item())
+        fresh.sum().item() / mb.loss_mask.sum().item())
     assert out.stats["mismatch/abs_log_ratio_mean"].item() == pytest.approx(size.mean().item())
     assert out.stats["mismatch/abs_log_ratio_max"].item() == pytest.approx(size.max().item())
 
 
 def test_a_correction_without_versions_is_refused_and_none_measures_nothing():
     mb, logp, _ = random_batch(0, recompute=True, identical=False)
-    del mb["versions"]
+    mb = attrs.evolve(mb, versions=None)
     _, stats = F.decoupled_policy_loss(logp, mb, PolicyLossConfig())
     assert stats["mismatch/measured_fraction"].item() == 0.0
     with pytest.raises(ValueError, match="'versions' and 'policy_version'"):
         F.decoupled_policy_loss(logp, mb, PolicyLossConfig(mismatch_correction="tis"))
+
+
+def test_the_loss_config_not_the_rows_decides_where_pi_prox_comes_from():
+    """recompute_proximal=True with no actor forward in the rows (an algorithm whose roles lack
+    `actor`) is refused, naming the fix, where it was silently interpolated; with it False, a
+    prox_logprobs the rows happen to carry is not used."""
+    with_prox, logp, _ = random_batch(5, recompute=True, identical=False)
+    without = attrs.evolve(with_prox, prox_logprobs=None)
+    batch = TensorDict({"loss_mask": without.loss_mask, "logprobs": without.logprobs,
+                        "ref_logprobs": without.ref_logprobs}, batch_size=[3])
+    for call in (lambda: F.decoupled_policy_loss(logp, without, PolicyLossConfig()),
+                 lambda: F.reference_kl(batch, "k1", PolicyLossConfig())):
+        with pytest.raises(ValueError, match="actor role"):
+            call()
+    interpolate = PolicyLossConfig(recompute_proximal=False)
+    want, _ = F.decoupled_policy_loss(logp, without, interpolate)
+    got, _ = F.decoupled_policy_loss(logp, with_prox, interpolate)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    recomputed, _ = F.decoupled_policy_loss(logp, with_prox, PolicyLossConfig())
+    assert not torch.allclose(recomputed, want)  # the two sources differ on this batch
+    torch.testing.assert_close(F.reference_kl(batch, "k1", interpolate),
+                               F.masked(batch["logprobs"] - batch["ref_logprobs"],
+                                        batch["loss_mask"]))
+
+
+def test_a_micro_batch_of_a_batch_types_the_known_keys_and_keeps_the_rest_as_columns():
+    batch = TensorDict({"loss_mask": torch.ones(2, 3, dtype=torch.bool),
+                        "ref_logprobs": torch.zeros(2, 3), "chosen": torch.tensor([True, False])},
+                       batch_size=[2])
+    mb = MicroBatch.of(batch)
+    assert mb.ref_logprobs is batch["ref_logprobs"] and mb.prox_logprobs is None
+    assert set(mb.columns.keys()) == {"chosen"} and mb.columns["chosen"].tolist() == [True, False]
 
 
 def test_every_option_of_the_config_has_its_correction():

@@ -52,7 +52,8 @@ def test_ppo_advantages_match_a_reference(rows, gamma, lam, beta, bootstrap):
         "truncated": torch.tensor([cut for *_, cut in rows]),
     }, batch_size=[len(rows)])
     config = PPOConfig(gamma=gamma, lam=lam, kl_coef=beta, whiten_advantages=False,
-                       bootstrap_truncated=bootstrap)
+                       bootstrap_truncated=bootstrap,
+                       loss=PolicyLossConfig(recompute_proximal=False))  # pi_old: the logprobs
     out = PPO(config).advantages(batch.clone())
     for i, (reward, mask, values, logp, ref, cut) in enumerate(rows):
         steps = [t for t, m in enumerate(mask) if m]
@@ -110,7 +111,8 @@ def test_grpo_kl_in_the_advantage_is_centred_in_the_group_and_not_rescaled(
         "ref_logprobs": torch.tensor([ref for *_, ref in rows]),
     }, batch_size=[len(rows)])
     config = GRPOConfig(kl_coef=beta, kl_in_reward=True, std_normalize=std_normalize,
-                        leave_one_out=leave_one_out)
+                        leave_one_out=leave_one_out,
+                        loss=PolicyLossConfig(recompute_proximal=False))  # pi_old: the logprobs
     out = GRPO(config).advantages(batch.clone())
     kl = [sum(lp[t] - ref[t] for t, m in enumerate(mask) if m) for _, _, mask, lp, ref in rows]
 
@@ -152,7 +154,7 @@ def test_the_kl_penalty_of_the_advantages_is_of_the_recomputed_proximal_policy(m
                         "rewards": torch.tensor([1.0, 0.0, 0.5, 0.5]), "loss_mask": mask,
                         "values": torch.rand(4, 4, generator=g), "ref_logprobs": ref},
                        batch_size=[4])
-    behaving = batch.clone().update({"logprobs": prox})
+    behaving = batch.clone().update({"logprobs": prox, "prox_logprobs": prox})
     recomputed = batch.clone().update({"logprobs": prox - 1.5, "prox_logprobs": prox})
     expected = algorithm.advantages(behaving)["advantages"]
     assert expected.abs().max() > 0.05

@@ -14,7 +14,8 @@ from tensordict import TensorDict
 
 from areal_flow import registry
 from areal_flow.extra_algorithms.reinforce_pp import ReinforcePP, ReinforcePPConfig
-from areal_flow.types import ModelOutput
+from areal_flow.config import PolicyLossConfig
+from areal_flow.types import MicroBatch, ModelOutput
 from tests.helpers import metrics, run_cli, run_recipe
 
 WIDTH = 6
@@ -67,7 +68,8 @@ def test_advantages_match_a_loop(groups, beta, estimator, gamma, baseline, recom
     if recomputed:
         batch["prox_logprobs"] = prox
     config = ReinforcePPConfig(kl_coef=beta, kl_estimator=estimator, gamma=gamma,
-                               baseline=baseline)
+                               baseline=baseline,
+                               loss=PolicyLossConfig(recompute_proximal=recomputed))
     out = ReinforcePP(config).advantages(batch)
     old = (prox if recomputed else behav).tolist()
     want, returns = reference(rows, mask.tolist(), old, ref.tolist(), beta, estimator, gamma,
@@ -104,8 +106,8 @@ def test_loss_gradient_is_the_weighted_surrogate_until_the_clip():
     delta = torch.tensor([[0.0, 0.0, 0.5, -0.5, 0.3], [0.0, -0.5, 0.0, 0.0, 0.0]])
     ref = torch.tensor([[0.0, -1.2, -1.8, -2.0, -0.4], [0.0, -3.5, -1.0, 0.0, 0.0]])
     logp = torch.where(mask, prox + delta, 0.0).requires_grad_()  # 0 off the mask, as the runtime
-    mb = TensorDict({"loss_mask": mask, "advantages": adv, "logprobs": behav,
-                     "prox_logprobs": prox, "ref_logprobs": ref}, batch_size=[2])
+    mb = MicroBatch(loss_mask=mask, advantages=adv, logprobs=behav, prox_logprobs=prox,
+                    ref_logprobs=ref)
     result = ReinforcePP(ReinforcePPConfig(kl_coef=0.1)).loss(ModelOutput(logprobs=logp), mb)
     result.loss_sum.backward()
 

@@ -219,7 +219,7 @@ class Recorder(TokenNLL):
     def critic_loss(self, out, mb):
         from areal_flow.types import LossOutput
 
-        mask = mb["loss_mask"].float()
+        mask = mb.loss_mask.float()
         return LossOutput(loss_sum=((out.values - 1.0) ** 2 * mask).sum(), normalizer=mask.sum(),
                           unit="tokens")
 

@@ -13,7 +13,7 @@ from areal_flow.algorithms.sft import SFT, SFTConfig
 from areal_flow.config import OptimizerConfig
 from areal_flow.data.sft import collate_sft, tokenize_conversation
 from areal_flow.runtime.engine import TrainConfig, TrainEngine
-from areal_flow.types import ModelOutput
+from areal_flow.types import MicroBatch, ModelOutput
 
 
 def pieces(tokenizer, episode):
@@ -54,11 +54,11 @@ def test_the_loss_is_the_mean_nll_of_the_target_tokens():
     g = torch.Generator().manual_seed(0)
     logprobs = -torch.rand(3, 5, generator=g)
     mask = torch.rand(3, 5, generator=g) > 0.4
-    out = SFT().loss(ModelOutput(logprobs=logprobs), {"loss_mask": mask})
+    out = SFT().loss(ModelOutput(logprobs=logprobs), MicroBatch(loss_mask=mask))
     targets = [-logprobs[i, t].item() for i in range(3) for t in range(5) if mask[i, t]]
     assert out.loss_sum.item() / out.normalizer == pytest.approx(sum(targets) / len(targets))
     per_row = SFT(SFTConfig(aggregation="sequence")).loss(ModelOutput(logprobs=logprobs),
-                                                          {"loss_mask": mask})
+                                                          MicroBatch(loss_mask=mask))
     means = [sum(-logprobs[i, t].item() for t in range(5) if mask[i, t]) / int(mask[i].sum())
              for i in range(3) if mask[i].any()]
     assert per_row.loss_sum.item() / per_row.normalizer == pytest.approx(sum(means) / len(means))

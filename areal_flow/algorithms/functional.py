@@ -10,6 +10,8 @@ from typing import Literal
 
 import torch
 
+from areal_flow.types import LossOutput, MicroBatch, ModelOutput
+
 Tensor = torch.Tensor
 
 
@@ -104,15 +106,25 @@ def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
 KL_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
 
 
-def old_logprobs(batch) -> Tensor:
-    """log π_old for advantages: `prox_logprobs` if recomputed (`actor` role), else `logprobs`."""
-    return batch["prox_logprobs"] if "prox_logprobs" in batch.keys() else batch["logprobs"]
+NO_ACTOR = ("the loss config has recompute_proximal=True, but the rows carry no prox_logprobs: "
+            "give the algorithm the actor role (roles = F.roles(config.loss, ...)) or set "
+            "PolicyLossConfig(recompute_proximal=False) to interpolate pi_prox")
 
 
-def reference_kl(batch, estimator: str) -> Tensor:
+def old_logprobs(batch, config) -> Tensor:
+    """log π_old of a batch for advantages: `prox_logprobs` if `config.recompute_proximal` (the
+    `actor` role's forward), else the behaviour `logprobs`."""
+    if not config.recompute_proximal:
+        return batch["logprobs"]
+    if "prox_logprobs" not in batch.keys():
+        raise ValueError(NO_ACTOR)
+    return batch["prox_logprobs"]
+
+
+def reference_kl(batch, estimator: str, config) -> Tensor:
     """Per-token KL estimate `estimator` of π_old against `ref_logprobs`, 0 on pads (reward)."""
     mask = batch["loss_mask"]
-    return KL_ESTIMATORS[estimator](masked(old_logprobs(batch), mask),
+    return KL_ESTIMATORS[estimator](masked(old_logprobs(batch, config), mask),
                                     masked(batch["ref_logprobs"], mask))
 
 
@@ -176,14 +188,14 @@ def interpolate_proximal(behav_logp: Tensor, current_logp: Tensor, versions: Ten
     return behav_logp + alpha * (current_logp.detach() - behav_logp)
 
 
-def decoupled_policy_loss(logp: Tensor, mb, config) -> tuple[Tensor, dict[str, Tensor]]:
+def decoupled_policy_loss(logp: Tensor, mb: MicroBatch, config) -> tuple[Tensor, dict[str, Tensor]]:
     """AReaL's decoupled PPO loss per token of micro-batch `mb` (`config`: a `PolicyLossConfig`),
     and its stats: L = w · max(−ρA, −clip(ρ, 1 − ε_low, 1 + ε_high) A) (+ dual clip), with
     ρ = π_θ / π_prox and w = min(π_prox / π_behav, cap) without gradient (`behavior_weight`)."""
-    mask = mb["loss_mask"]
+    mask = mb.loss_mask
     logp = masked(logp, mask)
     behav, prox, weight, capped, stats = behavior_weight(logp, mb, config)
-    surrogate, clipped = ppo_surrogate(logp, prox, masked(mb["advantages"], mask),
+    surrogate, clipped = ppo_surrogate(logp, prox, masked(mb.advantages, mask),
                                        eps_low=config.eps_clip, eps_high=config.eps_clip_high,
                                        dual_clip=config.dual_clip)
     with torch.no_grad():
@@ -198,31 +210,32 @@ def decoupled_policy_loss(logp: Tensor, mb, config) -> tuple[Tensor, dict[str, T
     return weight * surrogate, stats
 
 
-def behavior_and_proximal(logp: Tensor, mb) -> tuple[Tensor, Tensor]:
-    """(log π_behav, log π_prox), 0 on pads: `mb["logprobs"]`, and `mb["prox_logprobs"]` if
-    recomputed, else `interpolate_proximal` from the masked `logp`."""
-    mask = mb["loss_mask"]
-    behav = masked(mb["logprobs"], mask)
-    if "prox_logprobs" in mb.keys():
-        return behav, masked(mb["prox_logprobs"], mask)
-    return behav, interpolate_proximal(behav, logp, mb["versions"], mb["policy_version"],
-                                       mb["minibatch_progress"])
+def behavior_and_proximal(logp: Tensor, mb: MicroBatch, config) -> tuple[Tensor, Tensor]:
+    """(log π_behav, log π_prox), 0 on pads: `mb.logprobs`, and `mb.prox_logprobs` if
+    `config.recompute_proximal`, else `interpolate_proximal` from the masked `logp`."""
+    behav = masked(mb.logprobs, mb.loss_mask)
+    if config.recompute_proximal:
+        if mb.prox_logprobs is None:
+            raise ValueError(NO_ACTOR)
+        return behav, masked(mb.prox_logprobs, mb.loss_mask)
+    return behav, interpolate_proximal(behav, logp, mb.versions, mb.policy_version,
+                                       mb.minibatch_progress)
 
 
-def rollout_mismatch(logp: Tensor, mb) -> tuple[Tensor, Tensor]:
+def rollout_mismatch(logp: Tensor, mb: MicroBatch, config) -> tuple[Tensor, Tensor]:
     """(log π_train, known): the trainer's logprob of each token at the weights that sampled it,
-    where known (loss tokens of the trained version: `prox_logprobs`, else `logp` on the first
-    mini-batch), else 0; log π_train − `mb["logprobs"]` is then pure numerical mismatch."""
-    mask = mb["loss_mask"]
-    keys = mb.keys()
-    if "versions" not in keys or "policy_version" not in keys:
+    where known (loss tokens of the trained version: `prox_logprobs` if recomputed, else `logp`
+    on the first mini-batch), else 0; log π_train − `mb.logprobs` is then pure numerical
+    mismatch. Rows without versions (not from the scheduler) know none."""
+    mask = mb.loss_mask
+    if mb.versions is None or mb.policy_version is None:
         return torch.zeros_like(logp), torch.zeros_like(mask)
-    known = mask & (mb["versions"] == mb["policy_version"][:, None])
-    if "prox_logprobs" in keys:
-        train = mb["prox_logprobs"]
+    known = mask & (mb.versions == mb.policy_version[:, None])
+    if config.recompute_proximal:
+        train = mb.prox_logprobs
     else:
         train = logp.detach()
-        known = known & (mb["minibatch_progress"] == 0)[:, None]
+        known = known & (mb.minibatch_progress == 0)[:, None]
     return masked(train, known), known
 
 
@@ -277,18 +290,18 @@ MISMATCH_CORRECTIONS = {
 """(weight, drop) of each `PolicyLossConfig.mismatch_correction`; drop zeroes tokens' loss."""
 
 
-def behavior_weight(logp: Tensor, mb, config) -> tuple[Tensor, Tensor, Tensor, Tensor, dict]:
+def behavior_weight(logp: Tensor, mb: MicroBatch, config) -> tuple[Tensor, Tensor, Tensor, Tensor, dict]:
     """(log π_behav, log π_prox, w, capped, stats): the detached behavior weight of surrogate and
     KL term under `config.mismatch_correction`, and `mismatch/...` stats; `logp` is masked."""
-    mask = mb["loss_mask"]
+    mask = mb.loss_mask
     weigh, drop = MISMATCH_CORRECTIONS[config.mismatch_correction]
-    behav, prox = behavior_and_proximal(logp, mb)
-    train, known = rollout_mismatch(logp, mb)
+    behav, prox = behavior_and_proximal(logp, mb, config)
+    train, known = rollout_mismatch(logp, mb, config)
     if drop is not drop_nothing or weigh is not decoupled_weight:
-        if not {"versions", "policy_version"} <= set(mb.keys()):
+        if mb.versions is None or mb.policy_version is None:
             raise ValueError(f"mismatch_correction {config.mismatch_correction!r} needs the "
-                             "batch keys 'versions' and 'policy_version' (set by the scheduler)")
-    log_ratio = train - masked(mb["logprobs"], known)  # 0 off `known`
+                             "rows' 'versions' and 'policy_version' (set by the scheduler)")
+    log_ratio = train - masked(mb.logprobs, known)  # 0 off `known`
     prox, weight, capped = weigh(prox, behav, train, known, config)
     dropped = drop(log_ratio, known, config.mismatch_band)
     weight = torch.where(dropped, 0.0, weight).detach()
@@ -306,16 +319,16 @@ def behavior_weight(logp: Tensor, mb, config) -> tuple[Tensor, Tensor, Tensor, T
     return behav, prox, weight, capped, stats
 
 
-def actor_loss(out, mb, config):
+def actor_loss(out: ModelOutput, mb: MicroBatch, config) -> LossOutput:
     """The policy's `LossOutput` for GRPO and PPO (`config`): decoupled policy loss + β·`kl_loss`
     (unless `kl_in_reward`) − entropy bonus, aggregated by `config.loss.aggregation`."""
-    mask = mb["loss_mask"]
+    mask = mb.loss_mask
     n = mask.sum().clamp(min=1)
     per_token, stats = decoupled_policy_loss(out.logprobs, mb, config.loss)
     if config.kl_coef > 0 and not config.kl_in_reward:
         logp = masked(out.logprobs, mask)
         _, prox, weight, _, _ = behavior_weight(logp, mb, config.loss)
-        kl = kl_loss(logp, masked(mb["ref_logprobs"], mask), prox, weight)
+        kl = kl_loss(logp, masked(mb.ref_logprobs, mask), prox, weight)
         per_token = per_token + config.kl_coef * kl
         stats["kl_ref"] = (kl.detach() * mask).sum() / n  # ≈ KL(π_θ‖π_ref) per token
     entropy = None if out.entropy is None else masked(out.entropy, mask)
@@ -368,8 +381,6 @@ AGGREGATIONS = {"token": token_level, "sequence": sequence_level}
 
 def aggregate(per_token: Tensor, mask: Tensor, aggregation: str, stats: dict):
     """The `LossOutput` of a per-token loss, aggregated as `aggregation` (`AGGREGATIONS`)."""
-    from areal_flow.types import LossOutput
-
     loss_sum, normalizer, unit = AGGREGATIONS[aggregation](per_token, mask)
     return LossOutput(loss_sum=loss_sum, normalizer=normalizer, unit=unit, stats=stats)
 

@@ -14,7 +14,7 @@ from attrs import validators as v
 from areal_flow.algorithms import algorithm
 from areal_flow.algorithms import functional as F
 from areal_flow.config import PolicyLossConfig
-from areal_flow.types import LossOutput, ModelOutput
+from areal_flow.types import LossOutput, MicroBatch, ModelOutput
 
 
 @attrs.frozen(kw_only=True)
@@ -58,12 +58,12 @@ class GRPO:
         if c.kl_coef > 0 and c.kl_in_reward:
             # centred in the group like the reward, but not divided by the reward's std: β means
             # the same whatever the group's reward spread (and as in the loss, next to A ~ 1)
-            kl = F.reference_kl(batch, c.kl_estimator)
+            kl = F.reference_kl(batch, c.kl_estimator, c.loss)
             adv = adv - c.kl_coef * F.group_advantages(kl.sum(-1), groups, std_normalize=False,
                                                        leave_one_out=c.leave_one_out)
         batch["advantages"] = adv[:, None] * mask
         batch["flat_group"] = F.flat_groups(rewards, groups)
         return batch
 
-    def loss(self, out: ModelOutput, mb) -> LossOutput:
+    def loss(self, out: ModelOutput, mb: MicroBatch) -> LossOutput:
         return F.actor_loss(out, mb, self.config)

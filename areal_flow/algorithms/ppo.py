@@ -24,7 +24,7 @@ from attrs import validators as v
 from areal_flow.algorithms import algorithm
 from areal_flow.algorithms import functional as F
 from areal_flow.config import PolicyLossConfig
-from areal_flow.types import LossOutput, ModelOutput
+from areal_flow.types import LossOutput, MicroBatch, ModelOutput
 
 
 @attrs.frozen(kw_only=True)
@@ -71,7 +71,7 @@ class PPO:
         mask = batch["loss_mask"]
         rewards = F.final_token_rewards(batch["rewards"], mask)
         if c.kl_coef > 0 and c.kl_in_reward:
-            rewards = rewards - c.kl_coef * F.reference_kl(batch, c.kl_estimator)
+            rewards = rewards - c.kl_coef * F.reference_kl(batch, c.kl_estimator, c.loss)
         values = F.masked(batch["values"], mask)
         last_values = None
         if c.bootstrap_truncated:
@@ -90,12 +90,12 @@ class PPO:
         batch["returns"] = returns
         return batch
 
-    def loss(self, out: ModelOutput, mb) -> LossOutput:
+    def loss(self, out: ModelOutput, mb: MicroBatch) -> LossOutput:
         return F.actor_loss(out, mb, self.config)
 
-    def critic_loss(self, out: ModelOutput, mb) -> LossOutput:
-        mask = mb["loss_mask"]
-        old, returns = mb["values"], mb["returns"]
+    def critic_loss(self, out: ModelOutput, mb: MicroBatch) -> LossOutput:
+        mask = mb.loss_mask
+        old, returns = mb.values, mb.returns
         per_token = F.clipped_value_loss(out.values, old, returns, self.config.value_clip)
         n = mask.sum().clamp(min=1)
         moved = (out.values.detach() - old).abs() > self.config.value_clip

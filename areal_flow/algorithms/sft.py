@@ -15,7 +15,7 @@ from attrs import validators as v
 
 from areal_flow.algorithms import algorithm
 from areal_flow.algorithms import functional as F
-from areal_flow.types import LossOutput, ModelOutput
+from areal_flow.types import LossOutput, MicroBatch, ModelOutput
 
 
 @attrs.frozen(kw_only=True)
@@ -37,8 +37,8 @@ class SFT:
     def advantages(self, batch):
         return batch
 
-    def loss(self, out: ModelOutput, mb) -> LossOutput:
-        mask = mb["loss_mask"]
+    def loss(self, out: ModelOutput, mb: MicroBatch) -> LossOutput:
+        mask = mb.loss_mask
         nll = -F.masked(out.logprobs, mask)
         loss_sum, normalizer, unit = F.AGGREGATIONS[self.config.aggregation](nll, mask)
         mean = nll.detach().sum() / mask.sum().clamp(min=1)

@@ -38,7 +38,7 @@ from attrs import validators as v
 from areal_flow.algorithms import algorithm
 from areal_flow.algorithms import functional as F
 from areal_flow.config import PolicyLossConfig
-from areal_flow.types import LossOutput, ModelOutput
+from areal_flow.types import LossOutput, MicroBatch, ModelOutput
 
 
 @attrs.frozen(kw_only=True)
@@ -71,7 +71,8 @@ class OnPolicyDistillation:
     def advantages(self, batch):
         c = self.config
         mask = batch["loss_mask"]
-        kl = F.masked(F.old_logprobs(batch), mask) - F.masked(batch["teacher_logprobs"], mask)
+        kl = F.masked(F.old_logprobs(batch, c.loss), mask) \
+            - F.masked(batch["teacher_logprobs"], mask)
         # −Σ_{s≥t} γ^(s−t) k_s over the row's later model tokens: GAE with V = 0 and λ = 1
         adv = -F.gae(kl, torch.zeros_like(kl), mask, gamma=c.kl_discount)[0]
         if c.task_weight > 0:
@@ -80,16 +81,16 @@ class OnPolicyDistillation:
         batch["advantages"] = adv
         return batch
 
-    def loss(self, out: ModelOutput, mb) -> LossOutput:
-        mask = mb["loss_mask"]
+    def loss(self, out: ModelOutput, mb: MicroBatch) -> LossOutput:
+        mask = mb.loss_mask
         per_token, stats = F.decoupled_policy_loss(out.logprobs, mb, self.config.loss)
         with torch.no_grad():
             # KL(π_θ ‖ π_teacher) per token: k1 of the weights being trained, on tokens sampled
             # by π_behav, importance-weighted by w·ρ = π_θ/π_behav (w capped as in the loss)
             logp = F.masked(out.logprobs, mask)
-            behav, prox = F.behavior_and_proximal(logp, mb)
+            behav, prox = F.behavior_and_proximal(logp, mb, self.config.loss)
             weight, _ = F.importance_weight(prox, behav, self.config.loss.importance_weight_cap)
-            kl = weight * torch.exp(logp - prox) * (logp - F.masked(mb["teacher_logprobs"], mask))
+            kl = weight * torch.exp(logp - prox) * (logp - F.masked(mb.teacher_logprobs, mask))
             stats["distill/reverse_kl"] = F.masked(kl, mask).sum() / mask.sum().clamp(min=1)
         return F.aggregate(per_token, mask, self.config.loss.aggregation, stats)
 

@@ -48,7 +48,7 @@ from attrs import validators as v
 
 from areal_flow.algorithms import algorithm
 from areal_flow.algorithms import functional as F
-from areal_flow.types import LossOutput, ModelOutput
+from areal_flow.types import LossOutput, MicroBatch, ModelOutput
 
 Tensor = torch.Tensor
 
@@ -141,13 +141,13 @@ class DPO:
             batch[f"dpo_rewards_{key}"] = value.expand(rows).clone()
         return batch
 
-    def loss(self, out: ModelOutput, mb) -> LossOutput:
+    def loss(self, out: ModelOutput, mb: MicroBatch) -> LossOutput:
         """The pairs' loss whose chosen row is in `mb`, with the gradient of every row of `mb`
         (see the module's docstring for a pair split between micro-batches)."""
-        chosen = mb["chosen"].bool()
-        h = sequence_logratio(out.logprobs, mb["ref_logprobs"], mb["loss_mask"])
-        index, present = partners(mb["group_ids"])
-        partner = torch.where(present, h[index], mb["dpo_partner"].to(h.dtype))
+        chosen = mb.columns["chosen"].bool()
+        h = sequence_logratio(out.logprobs, mb.ref_logprobs, mb.loss_mask)
+        index, present = partners(mb.group_ids)
+        partner = torch.where(present, h[index], mb.columns["dpo_partner"].to(h.dtype))
         d = torch.where(chosen, h - partner, partner - h)
         per_pair = self.pair_loss(d, self.config.beta, self.config.label_smoothing)
         # the rejected row of a whole pair adds nothing (its chosen row's term has both), and
@@ -155,7 +155,7 @@ class DPO:
         zero = torch.zeros_like(per_pair)
         per_row = torch.where(chosen, per_pair,
                               torch.where(present, zero, per_pair - per_pair.detach()))
-        stats = {f"rewards/{key}": mb[f"dpo_rewards_{key}"].float().mean()
+        stats = {f"rewards/{key}": mb.columns[f"dpo_rewards_{key}"].float().mean()
                  for key in ("chosen", "rejected", "margin", "accuracy")}
         return LossOutput(loss_sum=per_row.sum(), normalizer=float(chosen.sum()),
                           unit="sequences", stats=stats)

@@ -25,7 +25,7 @@ from attrs import validators as v
 from areal_flow.algorithms import algorithm
 from areal_flow.algorithms import functional as F
 from areal_flow.config import PolicyLossConfig
-from areal_flow.types import LossOutput, ModelOutput
+from areal_flow.types import LossOutput, MicroBatch, ModelOutput
 
 
 @attrs.frozen(kw_only=True)
@@ -65,7 +65,7 @@ class ReinforcePP:
             rewards = F.group_advantages(rewards, batch["group_ids"], std_normalize=False)
         per_token = F.final_token_rewards(rewards, mask)
         if c.kl_coef > 0:
-            per_token = per_token - c.kl_coef * F.reference_kl(batch, c.kl_estimator)
+            per_token = per_token - c.kl_coef * F.reference_kl(batch, c.kl_estimator, c.loss)
         returns, _ = F.gae(per_token, torch.zeros(mask.shape), mask, gamma=c.gamma, lam=1.0)
         live = returns[mask]
         flat = live.numel() == 0 or bool(live.max() == live.min())  # rounding, not signal
@@ -73,11 +73,11 @@ class ReinforcePP:
         batch["returns"] = returns
         return batch
 
-    def loss(self, out: ModelOutput, mb) -> LossOutput:
-        c, mask = self.config, mb["loss_mask"]
+    def loss(self, out: ModelOutput, mb: MicroBatch) -> LossOutput:
+        c, mask = self.config, mb.loss_mask
         per_token, stats = F.decoupled_policy_loss(out.logprobs, mb, c.loss)
         if c.kl_coef > 0:  # k(π_θ, π_ref) on the sampled tokens, per token
             kl = F.KL_ESTIMATORS[c.kl_estimator](F.masked(out.logprobs.detach(), mask),
-                                                 F.masked(mb["ref_logprobs"], mask))
+                                                 F.masked(mb.ref_logprobs, mask))
             stats["kl_ref"] = F.masked(kl, mask).sum() / mask.sum().clamp(min=1)
         return F.aggregate(per_token, mask, c.loss.aggregation, stats)

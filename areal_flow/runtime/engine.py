@@ -32,7 +32,8 @@ from areal_flow.runtime.logprobs import EntropyMode, LossPositions, loss_positio
 from areal_flow.runtime.microbatch import micro_batches, minibatch_of_rows, split_to_count
 from areal_flow.runtime.precision import choose, gemm_rate
 from areal_flow.runtime.roles import BaseModelRole, ValueModel
-from areal_flow.types import Algorithm, AlgorithmCapabilities, ModelOutput, WeightUpdate
+from areal_flow.types import (Algorithm, AlgorithmCapabilities, MicroBatch, ModelOutput,
+                              WeightUpdate)
 
 
 SUMMED_UNITS = {"tokens": True, "sequences": True, "constant": False}
@@ -348,7 +349,7 @@ class TrainEngine:
         units: set[str] = set()
         sums: dict[str, float] = defaultdict(float)
         if idle.batch_size[0]:
-            result = loss_fn(ModelOutput(logprobs=idle["logprobs"]), idle)
+            result = loss_fn(ModelOutput(logprobs=idle["logprobs"]), MicroBatch.of(idle))
             summed, peak = float(result.normalizer), float(result.normalizer)
             units.add(result.unit)
         plan = self._plan(mini)
@@ -360,7 +361,7 @@ class TrainEngine:
                 self._dummy_pass(backward=True)
                 continue
             mb = _trim(mini[torch.tensor(mb_rows)])
-            result = loss_fn(self.outputs(mb, entropy), mb.to(self.device))
+            result = loss_fn(self.outputs(mb, entropy), MicroBatch.of(mb.to(self.device)))
             result.loss_sum.backward()
             loss_sum += float(result.loss_sum.detach())
             summed += float(result.normalizer)

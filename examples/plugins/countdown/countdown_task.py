@@ -225,6 +225,9 @@ class LOOConfig:
     """Also divide the advantages by the group's reward std."""
     weight_cap: float | None = attrs.field(default=5.0, validator=v.optional(v.gt(1.0)))
     """Cap of the off-policy weight pi_prox / pi_behav (None: uncapped)."""
+    recompute_proximal: bool = False
+    """Take pi_prox from a forward pass before the update (the actor role); else interpolate it
+    from the versions (F.interpolate_proximal), with no extra forward."""
 
 
 @algorithm("countdown.loo", config=LOOConfig)
@@ -236,12 +239,12 @@ class LOO:
         w = min(pi_prox / pi_behav, cap) (no gradient)
     On-policy (pi_theta = pi_prox = pi_behav) its gradient is -A/N grad log pi_theta per token."""
 
-    roles = ()  # pi_prox is interpolated from the versions (F.behavior_and_proximal)
     skips_zero_advantage_rows = True  # no term but the advantage-weighted one
     min_group_size = 2  # a row alone in its group has no other rows to compare with
 
     def __init__(self, config: LOOConfig | None = None):
         self.config = config or LOOConfig()
+        self.roles = ("actor",) if self.config.recompute_proximal else ()
 
     def advantages(self, batch):
         from areal_flow.algorithms import functional as F
@@ -255,8 +258,9 @@ class LOO:
         from areal_flow.algorithms import functional as F
 
         per_token, stats = F.decoupled_policy_loss(out.logprobs, mb, PolicyLossConfig(
-            eps_clip=self.config.clip_eps, importance_weight_cap=self.config.weight_cap))
-        loss_sum, normalizer, unit = F.token_level(per_token, mb["loss_mask"])
+            eps_clip=self.config.clip_eps, importance_weight_cap=self.config.weight_cap,
+            recompute_proximal=self.config.recompute_proximal))
+        loss_sum, normalizer, unit = F.token_level(per_token, mb.loss_mask)
         return LossOutput(loss_sum=loss_sum, normalizer=normalizer, unit=unit, stats=stats)
 
 
