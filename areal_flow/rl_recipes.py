@@ -95,7 +95,8 @@ class RLConfig(RunConfig):
     """Print where each process would run and how to start them, then exit before loading."""
     critic: TrainConfig = TrainConfig(optim=OptimizerConfig(lr=5e-5), max_tokens_per_mb=4096,
                                       packed_attention=True, compile="auto", dtype="auto")
-    """The critic's training settings (ppo: a value head on the policy's backbone)."""
+    """The critic's training settings (ppo: a value head on the policy's backbone); it steps once
+    per policy mini-batch, so its ppo-minibatches is not an option."""
     teacher: str | None = None
     """The frozen teacher (folder or Hub name) for distill; it must share --model's tokenizer."""
 
@@ -120,6 +121,11 @@ class RLConfig(RunConfig):
                              f"as its options, not a {type(options).__name__}: build the "
                              "config with `rl_recipes.cli` (the recipes do), or pass "
                              f"algorithm={spec.config.__name__}(...)")
+        if self.critic.ppo_minibatches != 1:  # the critic's steps follow the policy's
+            raise ValueError(
+                f"--critic.ppo-minibatches {self.critic.ppo_minibatches}: the critic takes one "
+                "step per policy mini-batch, so its mini-batches are --train.ppo-minibatches; "
+                "drop --critic.ppo-minibatches")
         if self.train.ppo_minibatches > self.rollout.batch_size:
             raise ValueError(
                 f"--train.ppo-minibatches {self.train.ppo_minibatches} is more than the "

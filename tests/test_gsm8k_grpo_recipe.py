@@ -335,6 +335,7 @@ BAD_INPUT_BEFORE_WEIGHTS = [
     (["--dataset", "{tmp}/no_answer.jsonl"], "has no field 'answer' (it has: question)"),
     (["--sampling.max-new-tokens", "100000"], "leaves no room for a prompt"),
     (["--train.ppo-minibatches", "3"], "--train.ppo-minibatches 3 is more than the 2 groups"),
+    (["--critic.ppo-minibatches", "2"], "--critic.ppo-minibatches 2: the critic"),
     (["--rollout.group-size", "1"], "--rollout.group-size 1: grpo scores a row against the rest"),
     (["--algorithm", "grpp"], "--algorithm grpp: unknown algorithm 'grpp'"),
     (["--algorithm", "ppo", "--algorithm.kl-coeff", "0.1"], "--algorithm.kl-coef"),
