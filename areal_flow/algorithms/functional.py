@@ -188,7 +188,8 @@ def interpolate_proximal(behav_logp: Tensor, current_logp: Tensor, versions: Ten
     return behav_logp + alpha * (current_logp.detach() - behav_logp)
 
 
-def decoupled_policy_loss(logp: Tensor, mb: MicroBatch, config) -> tuple[Tensor, dict[str, Tensor]]:
+def decoupled_policy_loss(logp: Tensor, mb: MicroBatch,
+                          config) -> tuple[Tensor, dict[str, Tensor]]:
     """AReaL's decoupled PPO loss per token of micro-batch `mb` (`config`: a `PolicyLossConfig`),
     and its stats: L = w · max(−ρA, −clip(ρ, 1 − ε_low, 1 + ε_high) A) (+ dual clip), with
     ρ = π_θ / π_prox and w = min(π_prox / π_behav, cap) without gradient (`behavior_weight`)."""
@@ -290,7 +291,8 @@ MISMATCH_CORRECTIONS = {
 """(weight, drop) of each `PolicyLossConfig.mismatch_correction`; drop zeroes tokens' loss."""
 
 
-def behavior_weight(logp: Tensor, mb: MicroBatch, config) -> tuple[Tensor, Tensor, Tensor, Tensor, dict]:
+def behavior_weight(logp: Tensor, mb: MicroBatch,
+                    config) -> tuple[Tensor, Tensor, Tensor, Tensor, dict]:
     """(log π_behav, log π_prox, w, capped, stats): the detached behavior weight of surrogate and
     KL term under `config.mismatch_correction`, and `mismatch/...` stats; `logp` is masked."""
     mask = mb.loss_mask
