@@ -380,10 +380,6 @@ class MicroBatch:
     columns: TensorDict | None = None
     """The batch's other columns: an algorithm's own (DPO's ``chosen``), a workflow's."""
 
-    @property
-    def rows(self) -> int:
-        return self.loss_mask.shape[0]
-
     @classmethod
     def of(cls, batch: TensorDict) -> MicroBatch:
         """The micro-batch of a TensorDict's rows: its keys named as fields go to the fields."""

@@ -308,10 +308,11 @@ class CountingNLL(TokenNLL):
     def loss(self, out, mb):
         mask = mb.loss_mask.float()
         weight = mb.advantages if self.skips_zero_advantage_rows else 1.0
-        self.rows.append(mb.rows)
+        rows = mb.loss_mask.shape[0]
+        self.rows.append(rows)
         return LossOutput(loss_sum=-(weight * out.logprobs * mask).sum(),
                           normalizer=self.constant if self.unit == "constant" else mask.sum(),
-                          unit=self.unit, stats={"rows": torch.tensor(float(mb.rows))})
+                          unit=self.unit, stats={"rows": torch.tensor(float(rows))})
 
 
 def summed_nll_gradients(model_dir, batch) -> dict[str, torch.Tensor]:
