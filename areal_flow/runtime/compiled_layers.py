@@ -56,7 +56,8 @@ def compile_pointwise_parts(backbone: torch.nn.Module) -> list[str]:
     for name, module in backbone.named_modules():
         if type(module).__name__ in layer_types:
             for child_name, child in module.named_children():
-                if "attn" not in child_name and "attention" not in child_name:
+                # by class: a child's name is no guide (`post_attention_layernorm` is a norm)
+                if not type(child).__name__.endswith("Attention"):
                     child.compile(dynamic=True)
                     compiled.append(f"{name}.{child_name}")
     decoder = backbone.get_decoder() if hasattr(backbone, "get_decoder") else backbone
