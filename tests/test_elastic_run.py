@@ -54,7 +54,7 @@ def test_a_server_joins_and_another_dies_mid_run_and_no_group_is_lost(tiny_model
     gate = tmp_path / "gate"
     # servers start from the initial weights, labelled version 0 (a newcomer served before it
     # caught up would hand out version-0 tokens late in the run)
-    with SGLangLauncher(tiny_model_dir, gpus=[0, 1, 2],
+    with SGLangLauncher(tiny_model_dir, gpus=[0, 1, 2], log_dir=str(tmp_path / "servers"),
                         command=functools.partial(serve_command, dtype="float32")) as servers:
         a, b, c = servers.addresses
         write_addresses(listing, a, b)

@@ -83,6 +83,10 @@ def test_the_sglang_command_and_environment(monkeypatch, tmp_path):
     assert len({launch.slot.port for launch in plain}) == 3
     assert "--skip-tokenizer-init" not in plain[0].argv and "--random-seed" not in plain[0].argv
     assert "--enable-deterministic-inference" not in plain[0].argv
+    # a description names a fresh log folder and makes none (`start` does)
+    folder = plain[0].log_path.parent
+    assert folder.name.startswith("areal-flow-sglang-") and not folder.exists()
+    assert {launch.log_path.parent for launch in plain} == {folder}
     # seeds are honoured by SGLang only with deterministic inference; None leaves "default"
     (seeded,) = SGLangLauncher("m", deterministic_inference=True, weight_version=None).launches()
     assert "--enable-deterministic-inference" in seeded.argv
@@ -183,7 +187,7 @@ def test_launching_areal_flow_serve_through_the_override(tiny_model_dir, tmp_pat
     listing = tmp_path / "servers.txt"
     command = functools.partial(serve_command, dtype="bfloat16", max_batch_size=2, device="cpu")
     launcher = SGLangLauncher(tiny_model_dir, gpus=[0], command=command, weight_version=7,
-                              addresses_file=str(listing))
+                              addresses_file=str(listing), log_dir=str(tmp_path / "servers"))
     try:
         (address,) = launcher.start()
         assert listing.read_text() == f"{address}\n"

@@ -355,7 +355,7 @@ def test_the_sglang_pool_swaps_adapters_and_catches_a_joining_server_up(trained,
     _, _, export = trained
     adapted, _ = greedy_reference(export)
     listing = tmp_path / "servers.txt"
-    with SGLangLauncher(tiny_model_dir, gpus=[0, 1],
+    with SGLangLauncher(tiny_model_dir, gpus=[0, 1], log_dir=str(tmp_path / "servers"),
                         command=functools.partial(serve_command, dtype="float32"),
                         extra_args=lora_args("areal-flow", LoraConfig(rank=4))) as servers:
         a, b = servers.addresses

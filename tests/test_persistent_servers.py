@@ -143,7 +143,7 @@ def test_a_run_attaching_to_a_server_replaces_its_weights_and_waits_its_turn(
     expected = completions(tmp_path / "launched")
 
     # a server that outlives runs, holding another run's weights
-    with SGLangLauncher(other_weights, gpus=[0],
+    with SGLangLauncher(other_weights, gpus=[0], log_dir=str(tmp_path / "servers"),
                         command=functools.partial(serve_command, dtype="float32")) as server:
         address = server.addresses[0]
         attached = ["--inference.backend", "sglang", "--inference.addresses", address]

@@ -104,10 +104,11 @@ def models(model_dirs):
 
 
 @pytest.fixture(scope="module")
-def served(tiny_model_dir):
+def served(tiny_model_dir, tmp_path_factory):
     """Two `areal-flow serve` processes, started with the SGLang launcher."""
     # float32: the references are fp32 forwards, and "auto" measures (it may pick bf16)
-    with SGLangLauncher(tiny_model_dir, gpus=[0, 1], command=FP32_SERVE) as launcher:
+    with SGLangLauncher(tiny_model_dir, gpus=[0, 1], command=FP32_SERVE,
+                        log_dir=str(tmp_path_factory.mktemp("servers"))) as launcher:
         yield launcher.addresses
 
 

@@ -40,9 +40,10 @@ from tests.test_protocol_server import free_port, wait_for
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model_dir):
+def cluster(tiny_model_dir, tmp_path_factory):
     """Servers A, B, C, D."""
-    with SGLangLauncher(tiny_model_dir, gpus=[0, 1, 2, 3], command=serve_command) as launcher:
+    with SGLangLauncher(tiny_model_dir, gpus=[0, 1, 2, 3], command=serve_command,
+                        log_dir=str(tmp_path_factory.mktemp("servers"))) as launcher:
         yield launcher
 
 
@@ -315,7 +316,8 @@ def test_a_server_reporting_default_is_labelled_or_taken_out(addrs, tmp_path, ti
     joins; if one answers with "default" anyway (restarted unnoticed), the pool takes it out and
     finishes the requests elsewhere instead of failing them."""
     a = addrs["A"]
-    with SGLangLauncher(tiny_model_dir, weight_version=None, command=serve_command) as fresh:
+    with SGLangLauncher(tiny_model_dir, weight_version=None, command=serve_command,
+                        log_dir=str(tmp_path / "servers")) as fresh:
         (x,) = fresh.addresses
         assert httpx.get(f"http://{x}/model_info").json()["weight_version"] == "default"
         listing = tmp_path / "servers.txt"

@@ -25,6 +25,7 @@ import ctypes
 import functools
 import logging
 import os
+import secrets
 import shlex
 import signal
 import socket
@@ -214,8 +215,9 @@ class SGLangLauncher:
         """The command, environment and log file of every server (free ports are picked now when
         no `ports` were given)."""
         ports = self.ports or tuple(_free_port(self.host) for _ in range(self.num_servers))
-        log_dir = Path(self.log_dir) if self.log_dir else Path(
-            tempfile.mkdtemp(prefix="areal-flow-sglang-"))
+        # named, not made: `start` makes it (a description of the servers writes nothing)
+        log_dir = Path(self.log_dir) if self.log_dir else \
+            Path(tempfile.gettempdir()) / f"areal-flow-sglang-{secrets.token_hex(4)}"
         inherited = {k: v for k, v in os.environ.items() if k != FORBIDDEN_ENV}
         launches = []
         for i, port in enumerate(ports):
