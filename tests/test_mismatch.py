@@ -369,6 +369,16 @@ def test_a_micro_batch_of_a_batch_types_the_known_keys_and_keeps_the_rest_as_col
     assert set(mb.columns.keys()) == {"chosen"} and mb.columns["chosen"].tolist() == [True, False]
 
 
+def test_every_role_fills_a_micro_batch_field_and_a_wrong_field_is_refused():
+    import typing
+
+    from areal_flow.types import ROLES, Role, RoleForward
+
+    assert set(ROLES) == set(typing.get_args(Role))
+    with pytest.raises(ValueError, match="'ref_logprob' is not a MicroBatch field"):
+        RoleForward("ref_logprob", "logprobs")
+
+
 def test_every_option_of_the_config_has_its_correction():
     import typing
 

@@ -32,8 +32,8 @@ from areal_flow.runtime.logprobs import EntropyMode, LossPositions, loss_positio
 from areal_flow.runtime.microbatch import micro_batches, minibatch_of_rows, split_to_count
 from areal_flow.runtime.precision import choose, gemm_rate
 from areal_flow.runtime.roles import BaseModelRole, ValueModel
-from areal_flow.types import (Algorithm, AlgorithmCapabilities, MicroBatch, ModelOutput,
-                              WeightUpdate)
+from areal_flow.types import (ROLES, Algorithm, AlgorithmCapabilities, MicroBatch,
+                              ModelOutput, WeightUpdate)
 
 
 SUMMED_UNITS = {"tokens": True, "sequences": True, "constant": False}
@@ -70,11 +70,6 @@ class TrainConfig:
     """Skip (with a warning) an optimizer step with a NaN/inf loss or gradient norm, not stop."""
     lora: LoraConfig = attrs.field(factory=LoraConfig)
     """Train LoRA adapters of the policy instead of every weight (`--train.lora.rank 16`)."""
-
-
-ROLE_OUTPUTS = {"actor": ("prox_logprobs", "logprobs"), "ref": ("ref_logprobs", "logprobs"),
-                "critic": ("values", "values"), "teacher": ("teacher_logprobs", "logprobs")}
-"""Each role's forward: (the batch key it fills, the `forward` output it takes)."""
 
 
 @attrs.define
@@ -274,8 +269,7 @@ class TrainEngine:
             return Shard(batch)
         rows, owned = scatter_groups(batch, self.rank, self.world_size)
         for role in algorithm.roles:
-            key, field = ROLE_OUTPUTS[role]
-            rows[key] = engines[role].forward(rows)[field]
+            rows[ROLES[role].fills] = engines[role].forward(rows)[ROLES[role].output]
         return Shard(rows, owned)
 
     def advantages(self, shard: Shard, algorithm: Algorithm) -> Shard:
