@@ -388,17 +388,12 @@ class MicroBatch:
                    columns=batch.exclude(*named))
 
 
-def _a_micro_batch_field(instance, attribute, value) -> None:
-    if value not in attrs.fields_dict(MicroBatch):
-        raise ValueError(f"{type(instance).__name__}.{attribute.name} {value!r} is not a "
-                         f"MicroBatch field: {sorted(attrs.fields_dict(MicroBatch))}")
-
-
 @attrs.frozen
 class RoleForward:
     """What a role's model computes before the update, and where the loss reads it."""
 
-    fills: str = attrs.field(validator=_a_micro_batch_field)
+    fills: str = attrs.field(validator=attrs.validators.in_(
+        sorted(set(attrs.fields_dict(MicroBatch)) - {"columns"})))
     """The `MicroBatch` field (and batch key) it fills."""
     output: Literal["logprobs", "values"]
     """The output of its `TrainEngine.forward` it takes: a policy's log-probs, a critic's values."""
@@ -418,8 +413,8 @@ class Algorithm(Protocol):
     """Loss steps on tensors; never touches processes, devices or sharding.
 
     ``roles``: models whose pre-update forward it needs, each filling a `MicroBatch` field (and
-    the batch key of that name; `ROLES`): ``actor`` → ``prox_logprobs``, ``ref`` → ``ref_logprobs``,
-    ``critic`` → ``values`` (then also define ``critic_loss(out, mb) -> LossOutput``),
+    the batch key of that name; `ROLES`): ``actor`` → ``prox_logprobs``, ``ref`` →
+    ``ref_logprobs``, ``critic`` → ``values`` (then also define ``critic_loss(out, mb) -> LossOutput``),
     ``teacher`` → ``teacher_logprobs`` (frozen, same tokenizer). Optional attributes:
     `AlgorithmCapabilities`."""
 

@@ -375,8 +375,10 @@ def test_every_role_fills_a_micro_batch_field_and_a_wrong_field_is_refused():
     from areal_flow.types import ROLES, Role, RoleForward
 
     assert set(ROLES) == set(typing.get_args(Role))
-    with pytest.raises(ValueError, match="'ref_logprob' is not a MicroBatch field"):
-        RoleForward("ref_logprob", "logprobs")
+    for not_a_field in ("ref_logprob", "columns"):
+        with pytest.raises(ValueError, match=f"'fills' must be in .*'ref_logprobs'.*"
+                                             f"\\(got '{not_a_field}'\\)"):
+            RoleForward(not_a_field, "logprobs")
 
 
 def test_every_option_of_the_config_has_its_correction():

@@ -269,7 +269,8 @@ class TrainEngine:
             return Shard(batch)
         rows, owned = scatter_groups(batch, self.rank, self.world_size)
         for role in algorithm.roles:
-            rows[ROLES[role].fills] = engines[role].forward(rows)[ROLES[role].output]
+            forward = ROLES[role]
+            rows[forward.fills] = engines[role].forward(rows)[forward.output]
         return Shard(rows, owned)
 
     def advantages(self, shard: Shard, algorithm: Algorithm) -> Shard:
