@@ -29,7 +29,7 @@ DEFAULT_KEYS = (
     # how far the policy moved: KL, clipping, importance weights
     "approx_kl", "kl_ref", "clip_fraction", "capped_fraction",
     "importance_weight_mean", "importance_weight_max",
-    "entropy",
+    "entropy", "entropy_coef",
     # losses (critic/value_loss: PPO, nll: SFT)
     "loss", "critic/value_loss", "nll", "eval/nll", "grad_norm",
     # throughput

@@ -337,6 +337,8 @@ def panel_columns(cfg: RLConfig, *, critic: bool, teacher: bool) -> dict[str, st
     return {"reward/mean": "reward", "task_metrics": "",  # the task's own, e.g. accuracy
             "reward/flat_group_fraction": "flat groups", "response_length/mean": "length",
             "entropy": "entropy",
+            **({"entropy_coef": "entropy coef"}  # adaptive entropy control's coefficient
+               if getattr(cfg.algorithm, "entropy_target", None) is not None else {}),
             # dynamic sampling: the flat groups drawn and dropped for this step's batch
             **({"rollout/dropped_flat_groups": "dropped flat"}
                if cfg.rollout.filter_flat_groups else {}),

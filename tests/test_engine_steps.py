@@ -816,3 +816,29 @@ def test_an_update_gives_the_freed_heap_back_to_the_os(world, tiny_model_dir):
     assert rss_bytes() - start > 300 * 2**20, (rss_bytes() - start) / 2**20  # still resident
     e.train(batch, TokenNLL())
     assert rss_bytes() - start < 100 * 2**20, (rss_bytes() - start) / 2**20
+
+
+@pytest.mark.parametrize("target", [100.0, 1e-6])
+def test_an_entropy_target_reaches_the_loss_through_the_engine(world, tiny_model_dir, target):
+    """GRPO with `entropy_target` on flat groups (every advantage 0): a target above the batch's
+    entropy applies the bonus and raises the policy's entropy; one below it applies none, and
+    the weights do not move (the coefficient travels as a batch column to the loss)."""
+    from areal_flow.algorithms.grpo import GRPO, GRPOConfig
+
+    e = engine(tiny_model_dir, lr=3e-3)
+    batch = grpo_batch(e.model.config.vocab_size, flat_groups=list(range(6)))
+    algorithm = GRPO(GRPOConfig(entropy_target=target, entropy_coef_step=0.5))
+
+    def entropy() -> float:
+        with torch.no_grad():
+            out = e.outputs(batch)
+        return float((out.entropy * batch["loss_mask"]).sum() / batch["loss_mask"].sum())
+
+    before = entropy()
+    coefficients = [e.train(batch, algorithm)["entropy_coef"] for _ in range(3)]
+    if target > 1:
+        assert coefficients == pytest.approx([0.5, 1.0, 1.5])
+        assert entropy() > before + 0.01
+    else:
+        assert coefficients == [0.0, 0.0, 0.0]
+        assert entropy() == pytest.approx(before, abs=1e-6)

@@ -493,3 +493,64 @@ def test_a_loss_exactly_at_the_dual_clip_bound_is_not_counted_as_clipped():
     loss, clipped = F.ppo_surrogate(logp, torch.zeros(2, dtype=torch.float64),
                                     -torch.ones(2, dtype=torch.float64), dual_clip=4.0)
     assert loss.tolist() == [4.0, 4.0] and clipped.tolist() == [False, True]
+
+
+# -- adaptive entropy control (issue 40) --------------------------------------------------------
+
+def _sampled_batch(entropy_estimate: float):
+    """Two rows whose model tokens' behaviour log-probs average −`entropy_estimate`; the
+    prompt positions (off `loss_mask`) hold log-probs that would move the estimate if counted."""
+    from tensordict import TensorDict
+
+    mask = torch.tensor([[False, True, True, True], [False, False, True, True]])
+    logprobs = torch.where(mask, -entropy_estimate, -50.0)
+    return TensorDict({"loss_mask": mask, "logprobs": logprobs, "rewards": torch.tensor([0., 1.]),
+                       "group_ids": torch.tensor([0, 0])}, batch_size=[2])
+
+
+def test_the_adaptive_entropy_coefficient_steps_towards_the_target_and_applies_only_below():
+    from areal_flow.algorithms.grpo import GRPO
+
+    grpo = GRPO(GRPOConfig(entropy_target=1.0, entropy_coef_step=0.01))
+    assert grpo.needs_entropy_grad and not grpo.skips_zero_advantage_rows
+    applied, held = [], []
+    for estimate in [0.5, 0.5, 2.0, 2.0, 2.0, 0.5]:
+        batch = grpo.advantages(_sampled_batch(estimate))
+        assert batch["entropy_coef"].tolist() == [batch["entropy_coef"][0].item()] * 2
+        applied.append(round(batch["entropy_coef"][0].item(), 6))
+        held.append(round(grpo.entropy_coef, 6))
+    assert applied == [0.01, 0.02, 0.0, 0.0, 0.0, 0.01]
+    assert held == [0.01, 0.02, 0.01, 0.0, 0.0, 0.01]
+    assert "entropy_coef" not in GRPO(GRPOConfig()).advantages(_sampled_batch(0.5)).keys()
+
+
+@pytest.mark.parametrize("coef", [0.0, 0.3])
+def test_the_adaptive_coefficient_trains_as_the_same_fixed_coefficient(coef):
+    """GRPO's loss with the batch's `entropy_coef` column gives the gradient that a fixed
+    `entropy_coef` of that value gives (and at 0, the gradient without a bonus)."""
+    from tensordict import TensorDict
+    from areal_flow.algorithms.grpo import GRPO
+
+    g = torch.Generator().manual_seed(3)
+    logits = (2 * torch.randn(2, 4, 7, generator=g)).requires_grad_()
+    tokens = torch.randint(0, 7, (2, 4), generator=g)
+    mask = torch.tensor([[False, True, True, True], [False, False, True, True]])
+    fields = dict(loss_mask=mask, advantages=torch.tensor([[0., .5, .5, .5], [0., 0., -1., -1.]]),
+                  versions=torch.ones(2, 4, dtype=torch.long), policy_version=torch.tensor([1, 1]),
+                  minibatch_progress=torch.zeros(2))
+
+    def gradient(grpo, columns=None):
+        logp_all = torch.log_softmax(logits, -1)
+        logp = logp_all.gather(-1, tokens[..., None])[..., 0]
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+        mb = MicroBatch(logprobs=logp.detach() - 0.1, columns=columns, **fields)
+        out = grpo.loss(ModelOutput(logprobs=logp, entropy=entropy), mb)
+        return torch.autograd.grad(out.loss_sum / out.normalizer, logits)[0]
+
+    loss = PolicyLossConfig(recompute_proximal=False)
+    adaptive = GRPO(GRPOConfig(entropy_target=1.0, loss=loss))
+    column = TensorDict({"entropy_coef": torch.full((2,), coef)}, batch_size=[2])
+    fixed = gradient(GRPO(GRPOConfig(entropy_coef=coef, loss=loss)))
+    torch.testing.assert_close(gradient(adaptive, column), fixed)
+    if coef:  # the bonus is in the gradient at all
+        assert (fixed - gradient(GRPO(GRPOConfig(loss=loss)))).abs().max() > 1e-3

@@ -321,9 +321,11 @@ def behavior_weight(logp: Tensor, mb: MicroBatch,
     return behav, prox, weight, capped, stats
 
 
-def actor_loss(out: ModelOutput, mb: MicroBatch, config) -> LossOutput:
+def actor_loss(out: ModelOutput, mb: MicroBatch, config,
+               entropy_coef: float | Tensor | None = None) -> LossOutput:
     """The policy's `LossOutput` for GRPO and PPO (`config`): decoupled policy loss + β·`kl_loss`
-    (unless `kl_in_reward`) − entropy bonus, aggregated by `config.loss.aggregation`."""
+    (unless `kl_in_reward`) − entropy bonus, aggregated by `config.loss.aggregation`.
+    `entropy_coef`: the bonus' coefficient, one or [rows, 1] (default `config.entropy_coef`)."""
     mask = mb.loss_mask
     n = mask.sum().clamp(min=1)
     per_token, stats = decoupled_policy_loss(out.logprobs, mb, config.loss)
@@ -334,8 +336,11 @@ def actor_loss(out: ModelOutput, mb: MicroBatch, config) -> LossOutput:
         per_token = per_token + config.kl_coef * kl
         stats["kl_ref"] = (kl.detach() * mask).sum() / n  # ≈ KL(π_θ‖π_ref) per token
     entropy = None if out.entropy is None else masked(out.entropy, mask)
-    if config.entropy_coef > 0:
-        per_token = per_token + entropy_bonus(entropy, config.entropy_coef)
+    coef = config.entropy_coef if entropy_coef is None else entropy_coef
+    if isinstance(coef, Tensor):
+        stats["entropy_coef"] = coef.detach().mean()
+    if isinstance(coef, Tensor) or coef > 0:
+        per_token = per_token + entropy_bonus(entropy, coef)
     if entropy is not None:
         stats["entropy"] = entropy.detach().sum() / n
     return aggregate(per_token, mask, config.loss.aggregation, stats)
@@ -404,6 +409,6 @@ def clipped_value_loss(values: Tensor, old_values: Tensor, returns: Tensor,
     return 0.5 * torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)
 
 
-def entropy_bonus(entropy: Tensor, coef: float) -> Tensor:
+def entropy_bonus(entropy: Tensor, coef: float | Tensor) -> Tensor:
     """Per-token −coef · H: adding it to the loss rewards higher entropy."""
     return -coef * entropy

@@ -2,7 +2,8 @@
 
 advantages: A_i = group-relative task reward (`F.group_advantages`) on every model token of row
 i; with `kl_in_reward`, minus β (K_i − mean_g K), K_i = Σ_t k(log π_old, log π_ref)_t.
-loss (`F.actor_loss`): decoupled PPO + β · `F.kl_loss` − c_H · H(π_θ), per token or sequence."""
+loss (`F.actor_loss`): decoupled PPO + β · `F.kl_loss` − c_H · H(π_θ), per token or sequence;
+with `entropy_target`, c_H adapts each step (Skywork-OR1's adaptive entropy control)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from typing import Literal
 
 import attrs
 from attrs import validators as v
+
+import torch
 
 from areal_flow.algorithms import algorithm
 from areal_flow.algorithms import functional as F
@@ -36,7 +39,15 @@ class GRPOConfig:
     """Put the KL penalty in the advantage, -beta * (K_i - mean_group K), not beta * F.kl_loss in
     the loss; a flat-reward group then learns from the KL alone."""
     entropy_coef: float = attrs.field(default=0.0, validator=v.ge(0.0))
-    """Entropy bonus coefficient."""
+    """Entropy bonus coefficient (with `entropy_target`: its value at the first step)."""
+    entropy_target: float | None = attrs.field(default=None,
+                                               validator=v.optional(v.gt(0.0)))
+    """Adaptive entropy control: the entropy (nats per token) to hold. Each step the coefficient
+    moves by `entropy_coef_step`, up while the batch's entropy is below the target and down (to
+    0 at least) while above, and the bonus applies only below it. A fixed coefficient either
+    lets entropy collapse or makes it run away (benchmarks/results/reasoning_gym_search.md)."""
+    entropy_coef_step: float = attrs.field(default=0.005, validator=v.gt(0.0))
+    """How far `entropy_target`'s coefficient moves in one step."""
 
 
 @algorithm("grpo", config=GRPOConfig)
@@ -47,8 +58,11 @@ class GRPO:
         self.config = config or GRPOConfig()
         c = self.config
         self.roles = F.roles(c.loss, *(("ref",) if c.kl_coef > 0 else ()))
-        self.needs_entropy_grad = c.entropy_coef > 0
-        self.skips_zero_advantage_rows = F.actor_loss_skips_zero_advantage(c)
+        self.needs_entropy_grad = c.entropy_coef > 0 or c.entropy_target is not None
+        self.skips_zero_advantage_rows = (F.actor_loss_skips_zero_advantage(c)
+                                          and c.entropy_target is None)
+        self.entropy_coef = c.entropy_coef
+        """`entropy_target`'s coefficient, as the last batch left it."""
 
     def advantages(self, batch):
         c = self.config
@@ -63,7 +77,23 @@ class GRPO:
                                                        leave_one_out=c.leave_one_out)
         batch["advantages"] = adv[:, None] * mask
         batch["flat_group"] = F.flat_groups(rewards, groups)
+        if c.entropy_target is not None:  # a column: it reaches every rank with the rows
+            batch["entropy_coef"] = torch.full(rewards.shape, self._adapt_entropy_coef(batch))
         return batch
 
+    def _adapt_entropy_coef(self, batch) -> float:
+        """The coefficient this batch trains with, after moving it by this batch's entropy:
+        −mean log π_behav(token) over the model's tokens, a sample of the sampling policy's
+        entropy (exact in expectation at the logprobs' temperature), measured without a pass."""
+        c, mask = self.config, batch["loss_mask"]
+        entropy = float(-(batch["logprobs"] * mask).sum() / mask.sum().clamp(min=1))
+        below = entropy < c.entropy_target
+        self.entropy_coef = max(0.0, self.entropy_coef + (c.entropy_coef_step if below
+                                                          else -c.entropy_coef_step))
+        return self.entropy_coef if below else 0.0
+
     def loss(self, out: ModelOutput, mb: MicroBatch) -> LossOutput:
-        return F.actor_loss(out, mb, self.config)
+        if self.config.entropy_target is None:
+            return F.actor_loss(out, mb, self.config)
+        return F.actor_loss(out, mb, self.config,
+                            entropy_coef=mb.columns["entropy_coef"].to(out.logprobs)[:, None])
