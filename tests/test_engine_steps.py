@@ -97,19 +97,30 @@ def grpo_batch(vocab: int, flat_groups: list[int]):
     return batch
 
 
-@pytest.mark.parametrize("aggregation", ["token", "sequence"])
-def test_skipping_zero_advantage_rows_gives_the_same_step(world, tiny_model_dir, aggregation):
+@pytest.mark.parametrize(("aggregation", "entropy_target"),
+                         [("token", None), ("sequence", None), ("token", 1e-6)])
+def test_skipping_zero_advantage_rows_gives_the_same_step(world, tiny_model_dir, aggregation,
+                                                          entropy_target):
     """Two steps: some groups flat, then all flat (AdamW still moves on momentum and the skipped
     rows' zero gradient). Skipping their forward and backward changes nothing but the time: the
     gradients agree to rounding (1e-6 relative), and so do the parameters after AdamW (lr 1e-3:
-    AdamW divides by |g|, so rounding in tiny gradients moves a parameter by up to ~lr·1e-4)."""
+    AdamW divides by |g|, so rounding in tiny gradients moves a parameter by up to ~lr·1e-4).
+    With an entropy target the batch is above, rank 0 knows the bonus is off and skips; another
+    rank (which does not take the advantages) trains every row with the entropy's gradient."""
     from areal_flow.algorithms.grpo import GRPO, GRPOConfig
     from areal_flow.config import PolicyLossConfig
 
-    config = GRPOConfig(loss=PolicyLossConfig(recompute_proximal=False, aggregation=aggregation))
-    skipping, computing = GRPO(config), GRPO(config)
+    class AnotherRank(GRPO):
+        def _adapt_entropy_coef(self, batch):
+            applied = super()._adapt_entropy_coef(batch)
+            self.needs_entropy_grad, self.skips_zero_advantage_rows = True, False
+            return applied
+
+    config = GRPOConfig(loss=PolicyLossConfig(recompute_proximal=False, aggregation=aggregation),
+                        entropy_target=entropy_target)
+    skipping, computing = GRPO(config), (AnotherRank if entropy_target else GRPO)(config)
     computing.skips_zero_advantage_rows = False
-    assert skipping.skips_zero_advantage_rows
+    assert skipping.skips_zero_advantage_rows == (entropy_target is None)
     a, b = engine(tiny_model_dir, 1e-3, max_tokens_per_mb=120), engine(tiny_model_dir, 1e-3)
     vocab = a.model.config.vocab_size
     for flat, skipped in (([0, 2, 3], 6), (list(range(6)), 12)):
@@ -822,7 +833,8 @@ def test_an_update_gives_the_freed_heap_back_to_the_os(world, tiny_model_dir):
 def test_an_entropy_target_reaches_the_loss_through_the_engine(world, tiny_model_dir, target):
     """GRPO with `entropy_target` on flat groups (every advantage 0): a target above the batch's
     entropy applies the bonus and raises the policy's entropy; one below it applies none, and
-    the weights do not move (the coefficient travels as a batch column to the loss)."""
+    the weights do not move, and flat rows skip their forward and backward (the coefficient
+    travels as a batch column to the loss)."""
     from areal_flow.algorithms.grpo import GRPO, GRPOConfig
 
     e = engine(tiny_model_dir, lr=3e-3)
@@ -835,10 +847,11 @@ def test_an_entropy_target_reaches_the_loss_through_the_engine(world, tiny_model
         return float((out.entropy * batch["loss_mask"]).sum() / batch["loss_mask"].sum())
 
     before = entropy()
-    coefficients = [e.train(batch, algorithm)["entropy_coef"] for _ in range(3)]
+    steps = [e.train(batch, algorithm) for _ in range(3)]
     if target > 1:
-        assert coefficients == pytest.approx([0.5, 1.0, 1.5])
+        assert [s["entropy_coef"] for s in steps] == pytest.approx([0.5, 1.0, 1.5])
+        assert [s["train/skipped_rows"] for s in steps] == [0, 0, 0]
         assert entropy() > before + 0.01
-    else:
-        assert coefficients == [0.0, 0.0, 0.0]
+    else:  # no bonus: the flat rows are skipped, as without entropy control
+        assert [s["train/skipped_rows"] for s in steps] == [batch.batch_size[0]] * 3
         assert entropy() == pytest.approx(before, abs=1e-6)

@@ -339,6 +339,7 @@ def actor_loss(out: ModelOutput, mb: MicroBatch, config,
     coef = config.entropy_coef if entropy_coef is None else entropy_coef
     if isinstance(coef, Tensor):
         stats["entropy_coef"] = coef.detach().mean()
+        coef = coef if bool(coef.any()) else 0.0  # rows trained without entropy's gradient
     if isinstance(coef, Tensor) or coef > 0:
         per_token = per_token + entropy_bonus(entropy, coef)
     if entropy is not None:

@@ -90,7 +90,13 @@ class GRPO:
         below = entropy < c.entropy_target
         self.entropy_coef = max(0.0, self.entropy_coef + (c.entropy_coef_step if below
                                                           else -c.entropy_coef_step))
-        return self.entropy_coef if below else 0.0
+        applied = self.entropy_coef if below else 0.0
+        # a step without the bonus needs no entropy gradient and skips flat rows (half the
+        # work at half flat groups). Only this rank knows: the others keep __init__'s
+        # conservative choice, which trains the same (their rows' coefficient is the column).
+        self.needs_entropy_grad = applied > 0
+        self.skips_zero_advantage_rows = applied == 0 and F.actor_loss_skips_zero_advantage(c)
+        return applied
 
     def loss(self, out: ModelOutput, mb: MicroBatch) -> LossOutput:
         if self.config.entropy_target is None:
