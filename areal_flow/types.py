@@ -416,7 +416,8 @@ class Algorithm(Protocol):
     the batch key of that name; `ROLES`): ``actor`` → ``prox_logprobs``, ``ref`` →
     ``ref_logprobs``, ``critic`` → ``values`` (then also define ``critic_loss(out, mb) -> LossOutput``),
     ``teacher`` → ``teacher_logprobs`` (frozen, same tokenizer). Optional attributes:
-    `AlgorithmCapabilities`."""
+    `AlgorithmCapabilities`. State kept between steps (GRPO's adaptive entropy coefficient)
+    goes into checkpoints through optional ``state_dict() -> dict`` and ``load_state_dict``."""
 
     roles: tuple[Role, ...]
 

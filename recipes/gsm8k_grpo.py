@@ -96,7 +96,11 @@ def main(cfg: Config) -> None:
             session.closing(scheduler.stop)
             if saved:
                 scheduler.load_state_dict(saved["scheduler"])
-        session.saved_also = lambda: {"scheduler": scheduler.state_dict() if scheduler else None}
+        stateful = hasattr(algorithm, "state_dict")  # e.g. GRPO's adaptive entropy coefficient
+        if saved and stateful and saved.get("algorithm") is not None:
+            algorithm.load_state_dict(saved["algorithm"])
+        session.saved_also = lambda: {"scheduler": scheduler.state_dict() if scheduler else None,
+                                      "algorithm": algorithm.state_dict() if stateful else None}
         weights = None if pool is None or pool.in_process else session.run.path / "weights"
         # launched servers start from the initial weights: give them the checkpoint's; servers
         # attached with --inference.addresses(-file) may hold another run's, so they get this

@@ -243,11 +243,13 @@ def test_a_stopped_run_resumes_exactly_with_sampling(sig, tiny_model_dir, gsm8k_
     """Sampled decoding, groups of 4 whose rewards differ (every step moves the weights), η = 0:
     a run killed (or stopped by SIGTERM) and resumed from its last checkpoint trains the same
     prompts on the same completions, with the same losses, and ends with the same weights and
-    optimizer state as a run that never stopped."""
+    optimizer state as a run that never stopped. An entropy target above the tiny model's
+    entropy raises GRPO's adaptive coefficient every step: the resume continues it."""
     def args(run_dir: Path, steps: int, *extra: str) -> list[str]:
         return tiny_args(tiny_model_dir, gsm8k_file, run_dir, *SAME_FIRST_BATCH,
                          "--rollout.group-size", "4", "--samples-per-step", "8",
-                         "--eval-size", "0", "--steps", str(steps), *extra)
+                         "--algorithm.entropy-target", "100", "--algorithm.entropy-coef-step",
+                         "0.01", "--eval-size", "0", "--steps", str(steps), *extra)
 
     stopped = tmp_path / "stopped"
     returncode, output = signal_when(
@@ -270,6 +272,7 @@ def test_a_stopped_run_resumes_exactly_with_sampling(sig, tiny_model_dir, gsm8k_
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-6), a["step"]
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-6), a["step"]
         assert a["grad_norm"] > 1e-3  # the weights moved
+        assert a["entropy_coef"] == pytest.approx(0.01 * a["step"]), a["step"]
     samples = [[(s["step"], s["completion"]) for s in map(json.loads, (run / "samples.jsonl")
                                                           .read_text().splitlines())]
                for run in (stopped, straight)]

@@ -10,9 +10,8 @@ from __future__ import annotations
 from typing import Literal
 
 import attrs
-from attrs import validators as v
-
 import torch
+from attrs import validators as v
 
 from areal_flow.algorithms import algorithm
 from areal_flow.algorithms import functional as F
@@ -97,6 +96,13 @@ class GRPO:
         self.needs_entropy_grad = applied > 0
         self.skips_zero_advantage_rows = applied == 0 and F.actor_loss_skips_zero_advantage(c)
         return applied
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps: the adaptive coefficient, which a resume continues from."""
+        return {"entropy_coef": self.entropy_coef}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.entropy_coef = float(state["entropy_coef"])
 
     def loss(self, out: ModelOutput, mb: MicroBatch) -> LossOutput:
         if self.config.entropy_target is None:
