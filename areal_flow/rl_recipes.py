@@ -340,7 +340,7 @@ def panel_columns(cfg: RLConfig, *, critic: bool, teacher: bool) -> dict[str, st
             **({"entropy_coef": "entropy coef"}  # adaptive entropy control's coefficient
                if getattr(cfg.algorithm, "entropy_target", None) is not None else {}),
             # dynamic sampling: the flat groups drawn and dropped for this step's batch
-            **({"rollout/dropped_flat_groups": "dropped flat"}
+            **({"rollout/batch_dropped_flat_groups": "dropped flat"}
                if cfg.rollout.filter_flat_groups else {}),
             **({"critic/value_loss": "value loss"} if critic else {}),
             **({"distill/reverse_kl": "reverse KL"} if teacher else {}),

@@ -646,6 +646,7 @@ def test_dynamic_sampling_drops_at_most_its_bound_per_batch_then_keeps_flat_grou
             s.settle()
             stats = s.stats()
             assert stats["dropped_flat_groups"] == 3, version  # the bound, again each batch
+            assert stats["batch_dropped_flat_groups"] == 3, version
             assert group_rewards(batch) == [[1.0, 1.0]] * 2
             s.pool.version = version
             s.set_version(version)

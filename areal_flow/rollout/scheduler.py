@@ -130,6 +130,7 @@ class RolloutScheduler:
         self._consecutive_empty = 0  # of those drops, groups whose every episode was None
         self._counts: Counter[str] = Counter()
         self._flat_dropped = 0  # flat groups dropped since the last batch (filter_flat_groups)
+        self._flat_dropped_for_batch = 0  # ... and for the last batch, at its consumption
         self._peak_running = 0
         # model tokens that left the queue, by (dropped as stale?, "" or a length bucket)
         self._tokens: Counter[tuple[bool, str]] = Counter()
@@ -232,6 +233,7 @@ class RolloutScheduler:
                     groups.sort(key=lambda g: g.serial)
                     self._count_tokens_locked(groups, stale=False)
                     self._consumed += size
+                    self._flat_dropped_for_batch = self._flat_dropped
                     self._flat_dropped = 0  # the next batch may drop as many again
                     for g in groups:
                         del self._inflight[g.serial]
@@ -278,6 +280,9 @@ class RolloutScheduler:
                 "queued_groups": len(self._queue),
                 "accepted_total": self._accepted,
                 "peak_running_episodes": peak,
+                # at most filter_flat_groups; `dropped_flat_groups` counts since the last call,
+                # which at η >= 1 also holds drops towards the next batch
+                "batch_dropped_flat_groups": self._flat_dropped_for_batch,
             }
         # Of the model tokens that left the queue (trained or dropped as stale), the fraction
         # dropped, overall and by episode length; a length with no tokens is left out.
