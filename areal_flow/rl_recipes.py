@@ -372,8 +372,9 @@ class EntropyWatch:
         self.warned = True
         return (f"warning: entropy {entropy:.3g} nats, below {self.fraction:.0%} of its first "
                 f"{self.first:.3g}: the policy is collapsing onto one form of answer. Try "
-                "--algorithm.loss.eps-clip-high 0.28, --algorithm.entropy-coef 0.001 or a lower "
-                "--train.optim.lr (docs/when_a_run_does_not_learn.md)")
+                "--algorithm.entropy-target 1.2 --algorithm.entropy-coef-step 0.05 (GRPO), "
+                "--train.optim.warmup-steps 10 or a lower --train.optim.lr "
+                "(docs/when_a_run_does_not_learn.md)")
 
 
 @attrs.frozen
