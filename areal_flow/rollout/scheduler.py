@@ -51,6 +51,16 @@ async def _all_tasks_blocked() -> None:
             return
 
 
+async def _run_all(fn: Callable[[int], Any], n: int) -> None:
+    """``fn(0)`` ... ``fn(n - 1)`` concurrently; the first error cancels the rest and is raised."""
+    try:
+        async with anyio.create_task_group() as tg:
+            for i in range(n):
+                tg.start_soon(fn, i)
+    except BaseExceptionGroup as group:
+        raise group.exceptions[0] from None
+
+
 def has_reward_variance(group: list[Episode]) -> bool:
     """DAPO dynamic sampling: a group whose rewards are all equal has zero advantage everywhere."""
     return len({ep.reward for ep in group}) > 1
@@ -231,12 +241,10 @@ class RolloutScheduler:
                     groups, self._queue = order[:size], deque(order[size:])
                     # rows in admission order: the batch does not depend on which finished first
                     groups.sort(key=lambda g: g.serial)
-                    self._count_tokens_locked(groups, stale=False)
+                    self._retire_locked(groups, stale=False)
                     self._consumed += size
                     self._flat_dropped_for_batch = self._flat_dropped
                     self._flat_dropped = 0  # the next batch may drop as many again
-                    for g in groups:
-                        del self._inflight[g.serial]
                     version = self._version
                     break
                 remaining = None if deadline is None else deadline - time.monotonic()
@@ -262,10 +270,8 @@ class RolloutScheduler:
         group_size: int = 1,
     ) -> list[list[Episode]]:
         """Run `samples` now (evaluation), outside admission; one that keeps failing gives []."""
-        if self._portal is None:
-            raise RuntimeError("start() the scheduler first")
-        return self._portal.call(self._rollout_now, list(samples), sampling or self.sampling,
-                                 group_size)
+        return self.portal.call(self._rollout_now, list(samples), sampling or self.sampling,
+                                group_size)
 
     def stats(self) -> dict[str, float]:
         """Counters since the last call, and current gauges."""
@@ -315,8 +321,10 @@ class RolloutScheduler:
 
     # -- the event loop -----------------------------------------------------------------
 
-    def _count_tokens_locked(self, groups: list[_Group], stale: bool) -> None:
+    def _retire_locked(self, groups: list[_Group], stale: bool) -> None:
+        """`groups` left the queue, trained or dropped as stale: count their model tokens."""
         for g in groups:
+            del self._inflight[g.serial]
             for ep in g.episodes:
                 n = ep.num_trainable_tokens
                 bucket = self._len_keys[min(n // self._len_width, 3)]
@@ -339,15 +347,25 @@ class RolloutScheduler:
         if self._changed is not None:
             self._changed.set()
 
-    def _can_admit(self) -> bool:
+    def _admit_locked(self) -> tuple[int, int] | None:
+        """Admit a group if the limits allow (module docstring): (admission number, sample id)."""
         c = self.config
-        return (
+        admit = (
             not self._paused
             and self._fatal is None
             and self._running_episodes + c.group_size <= c.max_concurrent
             and (c.max_staleness + self._version + 1) * c.batch_size
             > self._accepted + self._running_groups
         )
+        if not admit:
+            return None
+        serial, sample_id = self._next_admission()
+        self._inflight[serial] = sample_id
+        self._running_groups += 1
+        self._running_episodes += c.group_size
+        self._peak_running = max(self._peak_running, self._running_episodes)
+        self._counts["admitted_groups"] += 1
+        return serial, sample_id
 
     async def _admit_forever(self) -> None:
         try:
@@ -356,19 +374,11 @@ class RolloutScheduler:
                     while True:
                         self._changed = anyio.Event()
                         with self._cond:
-                            admit = self._can_admit()
-                            if admit:
-                                serial, sample_id = self._next_admission()
-                                self._inflight[serial] = sample_id
-                                self._running_groups += 1
-                                self._running_episodes += self.config.group_size
-                                self._peak_running = max(self._peak_running,
-                                                         self._running_episodes)
-                                self._counts["admitted_groups"] += 1
-                        if admit:
-                            tg.start_soon(self._run_group, serial, sample_id)
-                        else:
+                            admitted = self._admit_locked()
+                        if admitted is None:
                             await self._changed.wait()
+                        else:
+                            tg.start_soon(self._run_group, *admitted)
         except Exception as exc:  # a bug in the scheduler must not leave the trainer waiting
             log.exception("rollout scheduler crashed")
             self._fail(RolloutError(f"the rollout scheduler crashed: {exc!r}"))
@@ -423,7 +433,7 @@ class RolloutScheduler:
             self._consecutive_drops += 1
             self._consecutive_empty += not episodes
             if self._consecutive_drops >= max(50 * self.config.batch_size, 200):
-                self._fail_locked(RolloutError(
+                self._fail(RolloutError(
                     f"workflow {self.workflow.name!r} returned None (expected an Episode; None "
                     f"rejects one) for every episode of the last {self._consecutive_drops} "
                     "groups; no batch can be built. Return ctx.episode(...)"
@@ -469,16 +479,16 @@ class RolloutScheduler:
                             sample_id, last, exc_info=exc)
                 if same_again:
                     break
-                continue
-            kept = [ep for ep in episodes if ep is not None]
-            if training:
-                self._count("rejected_episodes", len(episodes) - len(kept))
-            return _Group(serial, sample_id, kept), ""
+            else:
+                kept = [ep for ep in episodes if ep is not None]
+                if training:
+                    self._count("rejected_episodes", len(episodes) - len(kept))
+                return _Group(serial, sample_id, kept), ""
         if training:
             with self._cond:
                 self._consecutive_failures += 1
                 if self._consecutive_failures >= max(self.config.batch_size, 3):
-                    self._fail_locked(RolloutError(
+                    self._fail(RolloutError(
                         f"workflow {self.workflow.name!r} failed on {self._consecutive_failures} "
                         f"samples in a row; last error on sample {sample_id}: {last}"))
         return None, "failed_samples"
@@ -516,12 +526,7 @@ class RolloutScheduler:
                 _check_metrics(self.workflow.name, episode.metrics, episode.rates)
             results[i] = episode
 
-        try:
-            async with anyio.create_task_group() as tg:
-                for i in range(group_size):
-                    tg.start_soon(one, i)
-        except BaseExceptionGroup as group:  # one episode failed: the others were cancelled
-            raise group.exceptions[0] from None
+        await _run_all(one, group_size)
         return results
 
     async def _rollout_now(self, samples: list[dict[str, Any]], sampling: SamplingParams,
@@ -534,24 +539,16 @@ class RolloutScheduler:
                                                training=False)
                 out[i] = group.episodes if group is not None else []
 
-        try:
-            async with anyio.create_task_group() as tg:
-                for i in range(len(samples)):
-                    tg.start_soon(run, i)
-        except BaseExceptionGroup as group:  # a run-ending error: the others were cancelled
-            raise group.exceptions[0] from None
+        await _run_all(run, len(samples))
         return out
 
     # -- failure ------------------------------------------------------------------------
 
     def _fail(self, error: Exception) -> None:
-        with self._cond:
-            self._fail_locked(error)
-
-    def _fail_locked(self, error: Exception) -> None:
-        if self._fatal is None:
-            self._fatal = error
-        self._cond.notify_all()
+        with self._cond:  # an RLock: callers may hold it already
+            if self._fatal is None:
+                self._fatal = error
+            self._cond.notify_all()
 
     def _drop_stale_locked(self) -> int:
         oldest_allowed = self._version - self.config.max_staleness
@@ -559,12 +556,10 @@ class RolloutScheduler:
         for g in self._queue:
             (stale if g.oldest_version() < oldest_allowed else fresh).append(g)
         if stale:
-            for g in stale:
-                del self._inflight[g.serial]
             self._queue = fresh
             self._accepted -= len(stale)
             self._counts["dropped_stale_groups"] += len(stale)
-            self._count_tokens_locked(stale, stale=True)
+            self._retire_locked(stale, stale=True)
         return len(stale)
 
 
