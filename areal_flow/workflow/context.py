@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -89,9 +90,10 @@ class RolloutContext:
         return self.tokens_after(self._around_turn(history, new, tools)[1], completion)
 
     def tokens_after(self, after: str, completion: Completion | None = None) -> list[int]:
-        """`after` (from `turn_end`) tokenized, less the stop token `completion` ends with."""
-        stopped = (self._stop_text(completion.token_ids) if completion is not None
-                   else self._leading_special(after))
+        """`after` (from `turn_end`) tokenized, less the stop token `completion` ends with (else
+        the special token `after` starts with)."""
+        ids = completion.token_ids if completion is not None else self.encode(after)[:1]
+        stopped = self._stop_text(ids)
         return self.encode(after[len(stopped):] if after.startswith(stopped) else after)
 
     def turn_end(self, history: list[dict[str, Any]], new: list[dict[str, Any]], *,
@@ -120,41 +122,30 @@ class RolloutContext:
         return self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                   add_generation_prompt=True, **_tools(tools))
 
-    def _special_ids(self) -> set[int]:
-        added = getattr(self.tokenizer, "added_tokens_decoder", {}) or {}
-        return {*self.tokenizer.all_special_ids, *(i for i, t in added.items() if t.special)}
-
     def _stop_text(self, token_ids: Sequence[int]) -> str:
         """The text of the special tokens that end `token_ids` (the model's stop token)."""
-        special, k = self._special_ids(), len(token_ids)
+        added = getattr(self.tokenizer, "added_tokens_decoder", {}) or {}
+        special = {*self.tokenizer.all_special_ids, *(i for i, t in added.items() if t.special)}
+        k = len(token_ids)
         while k and token_ids[k - 1] in special:
             k -= 1
         return self.tokenizer.decode(list(token_ids[k:]), skip_special_tokens=False)
 
-    def _leading_special(self, text: str) -> str:
-        ids = self.encode(text)[:1]
-        return self._stop_text(ids) if ids else ""
-
     def stop_at(self, completion: Completion, marker: str) -> Completion:
         """`completion` cut after the token that completes `marker` (finish reason "stop"), or
         unchanged without it; the kept tokens' logprobs stay exact."""
-        decode = self.tokenizer.decode
-        if marker not in decode(completion.token_ids):
+        decode, ids = self.tokenizer.decode, completion.token_ids
+        if marker not in decode(ids):
             return completion
-        lo, hi = 1, len(completion.token_ids)  # smallest prefix whose text holds the marker
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if marker in decode(completion.token_ids[:mid]):
-                hi = mid
-            else:
-                lo = mid + 1
+        # the shortest prefix whose text holds the marker
+        lo = 1 + bisect.bisect(range(1, len(ids)), False, key=lambda n: marker in decode(ids[:n]))
         return attrs.evolve(
             completion,
-            token_ids=completion.token_ids[:lo],
+            token_ids=ids[:lo],
             logprobs=completion.logprobs[:lo],
             versions=completion.versions[:lo],
             finish_reason="stop",
-            text=decode(completion.token_ids[:lo], skip_special_tokens=True),
+            text=decode(ids[:lo], skip_special_tokens=True),
         )
 
     def encode(self, text: str) -> list[int]:
@@ -240,12 +231,9 @@ class RolloutContext:
 
     def _app(self) -> OpenAIEndpoint:
         if self._app_made is None:
-            if self._endpoint is not None:  # the scheduler's
-                self._app_made = self._endpoint()
-            else:
-                from areal_flow.agents.openai_endpoint import OpenAIEndpoint
+            from areal_flow.agents.openai_endpoint import OpenAIEndpoint
 
-                self._app_made = OpenAIEndpoint()
+            self._app_made = (self._endpoint or OpenAIEndpoint)()  # the scheduler's, else its own
         return self._app_made
 
     def _register(self) -> str:
@@ -256,13 +244,8 @@ class RolloutContext:
             self._key = self._app().register(self._recorder)
         return self._key
 
-    def episode(
-        self,
-        prompt_ids: Sequence[int],
-        completion: Completion | None = None,
-        *,
-        reward: float | None = None,
-    ) -> Episode:
+    def episode(self, prompt_ids: Sequence[int], completion: Completion | None = None, *,
+                reward: float | None = None) -> Episode:
         """Start an episode: the prompt (not trained on), optionally a completion and a reward."""
         return Episode.start(prompt_ids, completion, reward=reward)
 
