@@ -12,7 +12,7 @@ caller's `sys.path`, never the caller's main script (`_WorkerPopen`)."""
 from __future__ import annotations
 
 import asyncio
-import importlib
+import contextlib
 import inspect
 import io
 import logging
@@ -80,16 +80,8 @@ def _call_in_worker(path: str, package: str, args: tuple, kwargs: dict,
     value = rewards.get(path)(*args, **kwargs)
     # An async reward gets a loop of its own here, where the timeout can kill blocking code.
     value = asyncio.run(value) if inspect.iscoroutine(value) else value
-    found = None if metrics is None else task_metrics(_imported(metrics), args, kwargs)
+    found = None if metrics is None else task_metrics(rewards.get(metrics), args, kwargs)
     return value, found, worker_rss()  # the caller recycles a worker grown past its limit
-
-
-def _imported(path: str) -> Callable[..., Any]:
-    module, _, qualname = path.partition(":")
-    found: Any = importlib.import_module(module)
-    for part in qualname.split("."):
-        found = getattr(found, part)
-    return found
 
 
 def worker_rss() -> int:
@@ -214,18 +206,18 @@ class RewardRunner:
             outcome, what = ("ok", "") if _in_range(value, spec) else \
                 ("invalid", f"invalid: {value!r}")
         except TimeoutError:  # the worker was killed and is being replaced
-            outcome, what = "timeout", f"timed out after {spec.timeout} s"
+            outcome, what = "timeouts", f"timed out after {spec.timeout} s"
         except ProcessExpired as exc:  # the worker died; pebble starts a new one
-            outcome, what = "crash", f"crashed ({_exit_status(exc.exitcode)})"
+            outcome, what = "crashes", f"crashed ({_exit_status(exc.exitcode)})"
         except Exception as exc:
-            outcome, what = "error", f"error: {exc!r}"
+            outcome, what = "errors", f"error: {exc!r}"
         score = float(value) if outcome == "ok" else spec.default
         found: dict[str, float] = {}
         if measured is not None:
             # one outcome per call: counted once in the failure window, whichever part failed
             found, problem = measured
             if problem is not None and outcome == "ok":
-                outcome, what = "metrics_error", problem
+                outcome, what = "metrics_errors", problem
         with self._lock:  # stats() is read from the trainer thread
             self._seconds += time.perf_counter() - start
             self._counts["calls"] += 1
@@ -241,7 +233,7 @@ class RewardRunner:
                 f"than the limit of {self.max_failure_rate:.0%} (--reward-failure-limit); last "
                 f"failure: {what}. Fix the reward, or raise the limit (1 never stops)")
         log.warning("reward %r: %s; %s", spec.name, what, "no metrics recorded"
-                    if outcome == "metrics_error" else f"scored its default {spec.default}")
+                    if outcome == "metrics_errors" else f"scored its default {spec.default}")
         return score, found
 
     def _note_rss(self, rss: int, pool: ProcessPool) -> None:
@@ -266,13 +258,8 @@ class RewardRunner:
         calls = counts["calls"]
         return {
             "calls": calls,
-            "timeouts": counts["timeout"],
-            "crashes": counts["crash"],
-            "errors": counts["error"],
-            "invalid": counts["invalid"],
-            "metrics_errors": counts["metrics_error"],
-            "pool_restarts": counts["pool_restarts"],
-            "recycled_pools": counts["recycled_pools"],
+            **{key: counts[key] for key in ("timeouts", "crashes", "errors", "invalid",
+                                            "metrics_errors", "pool_restarts", "recycled_pools")},
             "worker_rss_gb": rss / 2**30,
             "failure_rate": (calls - counts["ok"]) / calls if calls else 0.0,
             "mean_seconds": seconds / calls if calls else 0.0,
@@ -353,8 +340,6 @@ def _in_range(value: Any, spec: RewardSpec) -> bool:
 
 def _exit_status(code: int | None) -> str:
     if code is not None and code < 0:
-        try:
+        with contextlib.suppress(ValueError):  # not a signal's number
             return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            pass
     return f"exit code {code}"
