@@ -34,19 +34,13 @@ def _first_number(text: str) -> Decimal | None:
 
 def extract_answer(text: str) -> Decimal | None:
     """The final numeric answer of `text` by the rules in the module docstring, or None."""
-    if "####" in text:
-        found = _first_number(text.rsplit("####", 1)[1])
-        if found is not None:
-            return found
+    if "####" in text and (found := _first_number(text.rsplit("####", 1)[1])) is not None:
+        return found
     boxed = _BOXED.findall(text)
-    if boxed:
-        found = _first_number(boxed[-1])
-        if found is not None:
-            return found
-    last = None
-    for last in _NUMBER.finditer(text):  # noqa: B007 - only the last match is wanted
-        pass
-    return _to_decimal(last) if last else None
+    if boxed and (found := _first_number(boxed[-1])) is not None:
+        return found
+    numbers = list(_NUMBER.finditer(text))
+    return _to_decimal(numbers[-1]) if numbers else None
 
 
 def grade(completion: str, answer: str, **_: object) -> dict[str, float]:
@@ -81,8 +75,7 @@ def gsm8k(completion: str, *, answer: str, format_weight: float = 0.0,
     credit asks for a calculation too. `answer`: a number or a GSM8K solution."""
     w = min(max(float(format_weight), 0.0), 1.0)
     reference = extract_answer(answer)
-    predicted = extract_answer(completion)
-    correct = reference is not None and predicted is not None and predicted == reference
+    correct = reference is not None and extract_answer(completion) == reference
     formatted = has_answer_format(completion)
     if require_work and not shows_work(completion):
         correct = formatted = False
