@@ -9,11 +9,11 @@ group holding a token older than version − η is dropped (generations can outl
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import random
 import threading
-import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -230,27 +230,27 @@ class RolloutScheduler:
         from areal_flow.data.collate import collate_groups
 
         size = batch_size or self.config.batch_size
-        deadline = None if timeout is None else time.monotonic() + timeout
+        dropped = 0
+
+        def ready() -> bool:
+            nonlocal dropped
+            dropped += self._drop_stale_locked()
+            return self._fatal is not None or len(self._queue) >= size
+
         with self._cond:
-            while True:
-                if self._fatal is not None:
-                    raise self._fatal
-                dropped = self._drop_stale_locked()
-                if len(self._queue) >= size:
-                    order = sorted(self._queue, key=_CONSUME_ORDERS[self.config.consume_order])
-                    groups, self._queue = order[:size], deque(order[size:])
-                    # rows in admission order: the batch does not depend on which finished first
-                    groups.sort(key=lambda g: g.serial)
-                    self._retire_locked(groups, stale=False)
-                    self._consumed += size
-                    self._flat_dropped_for_batch = self._flat_dropped
-                    self._flat_dropped = 0  # the next batch may drop as many again
-                    version = self._version
-                    break
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    raise TimeoutError(f"fewer than {size} groups ready after {timeout} s")
-                self._cond.wait(remaining)
+            if not self._cond.wait_for(ready, timeout):
+                raise TimeoutError(f"fewer than {size} groups ready after {timeout} s")
+            if self._fatal is not None:
+                raise self._fatal
+            order = sorted(self._queue, key=_CONSUME_ORDERS[self.config.consume_order])
+            groups, self._queue = order[:size], deque(order[size:])
+            # rows in admission order: the batch does not depend on which finished first
+            groups.sort(key=lambda g: g.serial)
+            self._retire_locked(groups, stale=False)
+            self._consumed += size
+            self._flat_dropped_for_batch = self._flat_dropped
+            self._flat_dropped = 0  # the next batch may drop as many again
+            version = self._version
         if dropped:
             self._wake()
         batch = collate_groups([g.episodes for g in groups],
@@ -338,10 +338,8 @@ class RolloutScheduler:
 
     def _wake(self) -> None:
         if self._portal is not None:
-            try:
+            with contextlib.suppress(RuntimeError):  # the portal is shutting down
                 self._portal.call(self._notify)
-            except RuntimeError:  # the portal is shutting down
-                pass
 
     def _notify(self) -> None:
         if self._changed is not None:
