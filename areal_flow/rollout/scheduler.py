@@ -421,13 +421,9 @@ class RolloutScheduler:
             self._counts["dropped_flat_groups"] += 1
             self._counts["dropped_flat_tokens"] += sum(ep.num_trainable_tokens for ep in episodes)
             return False
-        reason = None
-        if len(episodes) < self.config.min_group_size:
-            reason = "dropped_small_groups"
-        elif not all(f(episodes) for f in self.filters):
-            reason = "dropped_filtered_groups"
-        if reason is not None:
-            self._counts[reason] += 1
+        small = len(episodes) < self.config.min_group_size
+        if small or not all(f(episodes) for f in self.filters):
+            self._counts["dropped_small_groups" if small else "dropped_filtered_groups"] += 1
             self._consecutive_drops += 1
             self._consecutive_empty += not episodes
             if self._consecutive_drops >= max(50 * self.config.batch_size, 200):
