@@ -93,8 +93,7 @@ class RolloutContext:
         """`after` (from `turn_end`) tokenized, less the stop token `completion` ends with (else
         the special token `after` starts with)."""
         ids = completion.token_ids if completion is not None else self.encode(after)[:1]
-        stopped = self._stop_text(ids)
-        return self.encode(after[len(stopped):] if after.startswith(stopped) else after)
+        return self.encode(after.removeprefix(self._stop_text(ids)))
 
     def turn_end(self, history: list[dict[str, Any]], new: list[dict[str, Any]], *,
                  tools: Any = None) -> tuple[str, bool]:
@@ -273,8 +272,7 @@ def _warn_if_tools_unrendered(tokenizer: Any, messages: list[dict[str, Any]],
                               ids: list[int]) -> None:
     """Warn once per template that renders the same prompt with and without `tools` (the tiny
     model's and SmolLM2's): the model is never shown them."""
-    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else \
-        repr(tokenizer.chat_template)
+    template = repr(tokenizer.chat_template)  # a string, or a dict of them
     if template in _TOOLS_CHECKED:
         return
     _TOOLS_CHECKED.add(template)
