@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import io
 import logging
@@ -116,9 +117,7 @@ class _WorkerPopen(popen_forkserver.Popen):
 
 
 class _WorkerProcess(ForkServerProcess):
-    @staticmethod
-    def _Popen(process_obj: Any) -> _WorkerPopen:
-        return _WorkerPopen(process_obj)
+    _Popen = staticmethod(_WorkerPopen)
 
 
 class _WorkerContext(ForkServerContext):
@@ -154,18 +153,14 @@ class RewardRunner:
         self.max_failure_rate = max_failure_rate
         self.max_worker_rss = max_worker_rss_gb * 2**30
         self._recent: dict[str, deque[bool]] = {}
-        self._max_workers = max_workers
-        self._max_calls = max_calls_per_worker
+        self._new_pool = functools.partial(ProcessPool, max_workers=max_workers,
+                                           max_tasks=max_calls_per_worker, context=_WorkerContext())
         self._closed = False
         self._pool = self._new_pool()
         self._counts: Counter[str] = Counter()
         self._seconds = 0.0
         self._largest_rss = 0
         self._lock = threading.Lock()
-
-    def _new_pool(self) -> ProcessPool:
-        return ProcessPool(max_workers=self._max_workers, max_tasks=self._max_calls,
-                           context=_WorkerContext())
 
     async def score(self, reward: str | Callable[..., Any] | RewardSpec, *args, **kwargs) -> float:
         """The reward's score, or its `default` if it raised, crashed, hung or went out of range."""
