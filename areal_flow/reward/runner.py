@@ -136,9 +136,8 @@ FAILURE_WINDOW = 64
 
 
 class RewardRunner:
-    """Scores completions with registered rewards (module docstring). A reward failing on more
-    than `max_failure_rate` of its last `FAILURE_WINDOW` calls raises `RewardFailureError` (1:
-    never). A worker is replaced after `max_calls_per_worker` calls, and the workers once one
+    """Scores completions with registered rewards (module docstring; `max_failure_rate` 1 never
+    raises). A worker is replaced after `max_calls_per_worker` calls, and the workers once one
     exceeds `max_worker_rss_gb` after a call (0: never), containing leaking rewards."""
 
     def __init__(self, max_workers: int = 2, max_failure_rate: float = 0.5,
