@@ -29,45 +29,35 @@ class PromptTooLong(ValueError):
 _TURN = "\ue000turn\ue000"
 
 
+# not slotted: a judge keeps its counts on the context; identity equality, the default repr
+@attrs.define(kw_only=True, slots=False, eq=False, repr=False)
 class RolloutContext:
     """Passed to every workflow call; one per episode. Token-in/token-out: prompts are built as
     token ids once (`chat`, `chat_delta`, `encode`); completions keep the model's own tokens."""
 
-    def __init__(
-        self,
-        *,
-        pool: GenerationPool,
-        tokenizer: Any,
-        score: Callable[..., Any],
-        sampling: SamplingParams,
-        episode_id: str,
-        config: Any = None,
-        max_prompt_tokens: int | None = None,
-        seed: int | None = None,
-        endpoint: Callable[[], OpenAIEndpoint] | None = None,
-    ):
-        self.pool = pool
-        self.tokenizer = tokenizer
-        self.sampling = sampling
-        self.episode_id = episode_id
-        self.config = config
-        """The workflow's options (an instance of its declared config class), or None."""
-        self.max_prompt_tokens = max_prompt_tokens
-        self.seed = seed
-        """The n-th sampled `generate` call without a seed gets `derived_seed(seed, n)`, so a
-        resumed run replays exactly what it would have sampled."""
-        self._score = score
-        self._calls = 0
-        self.metrics: dict[str, float] = {}
-        """The rewards' `metrics` of this episode (latest per name), added to the episode's."""
-        self.rates: set[str] = set()
-        """Which of `metrics` are rates (`RewardSpec.rates`), added to the episode's `rates`."""
-        self.over_budget: PromptTooLong | None = None
-        """A prompt the OpenAI endpoint refused as over `max_prompt_tokens`: skip the sample."""
-        self._endpoint = endpoint  # the scheduler's, shared by its episodes (made when needed)
-        self._app_made: OpenAIEndpoint | None = None
-        self._recorder: Any = None  # openai_endpoint.Recorder
-        self._key: str | None = None
+    pool: GenerationPool
+    tokenizer: Any
+    _score: Callable[..., Any]  # the `score=` argument
+    sampling: SamplingParams
+    episode_id: str
+    config: Any = None
+    """The workflow's options (an instance of its declared config class), or None."""
+    max_prompt_tokens: int | None = None
+    seed: int | None = None
+    """The n-th sampled `generate` call without a seed gets `derived_seed(seed, n)`, so a
+    resumed run replays exactly what it would have sampled."""
+    # `endpoint=`: the scheduler's, shared by its episodes (made when needed)
+    _endpoint: Callable[[], OpenAIEndpoint] | None = None
+    metrics: dict[str, float] = attrs.field(init=False, factory=dict)
+    """The rewards' `metrics` of this episode (latest per name), added to the episode's."""
+    rates: set[str] = attrs.field(init=False, factory=set)
+    """Which of `metrics` are rates (`RewardSpec.rates`), added to the episode's `rates`."""
+    over_budget: PromptTooLong | None = attrs.field(init=False, default=None)
+    """A prompt the OpenAI endpoint refused as over `max_prompt_tokens`: skip the sample."""
+    _calls: int = attrs.field(init=False, default=0)
+    _app_made: OpenAIEndpoint | None = attrs.field(init=False, default=None)
+    _recorder: Any = attrs.field(init=False, default=None)  # openai_endpoint.Recorder
+    _key: str | None = attrs.field(init=False, default=None)
 
     def chat(self, messages: list[dict[str, Any]], *, tools: Any = None) -> list[int]:
         """The chat template applied to `messages` (and `tools`), ending with the assistant's
