@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import torch
 from tensordict import NonTensorStack, TensorDict
+from torch.nn.utils.rnn import pad_sequence
 
 from areal_flow.types import Episode
 
@@ -22,40 +23,32 @@ def collate_groups(groups: Sequence[Sequence[Episode]], pad_token_id: int = 0) -
     for gid, ep in rows:
         if ep.reward is None:
             raise ValueError(f"an episode of group {gid} has no reward; set ep.reward")
-    n, width = len(rows), max(ep.num_tokens for _, ep in rows)
-    input_ids = torch.full((n, width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((n, width), dtype=torch.bool)
-    loss_mask = torch.zeros((n, width), dtype=torch.bool)
-    logprobs = torch.zeros((n, width), dtype=torch.float32)
-    versions = torch.full((n, width), -1, dtype=torch.long)
-    for i, (_, ep) in enumerate(rows):
-        k = ep.num_tokens
-        input_ids[i, :k] = torch.tensor(ep.token_ids, dtype=torch.long)
-        attention_mask[i, :k] = True
-        loss_mask[i, :k] = torch.tensor(ep.loss_mask, dtype=torch.bool)
-        logprobs[i, :k] = torch.tensor(ep.logprobs, dtype=torch.float32)
-        versions[i, :k] = torch.tensor(ep.versions, dtype=torch.long)
-    names = sorted({name for _, ep in rows for name in ep.metrics})
+    n = len(rows)
+
+    def padded(key: str, dtype: torch.dtype, pad: float) -> torch.Tensor:
+        return pad_sequence([torch.tensor(getattr(ep, key), dtype=dtype) for _, ep in rows],
+                            batch_first=True, padding_value=pad)
+
+    lengths = torch.tensor([ep.num_tokens for _, ep in rows])
     metrics = {name: torch.tensor([float(ep.metrics.get(name, math.nan)) for _, ep in rows])
-               for name in names}
+               for name in sorted({name for _, ep in rows for name in ep.metrics})}
     return TensorDict(
         {
             # the task's numbers per row, NaN where an episode did not report one
             "metrics": TensorDict(metrics, batch_size=[n]),
             # free-form, for samples.jsonl; train() leaves it and `metrics` on rank 0
             "info": NonTensorStack(*(ep.info for _, ep in rows)),
-            "input_ids": input_ids,
-            "attention_mask": attention_mask,
-            "loss_mask": loss_mask,
-            "logprobs": logprobs,
-            "versions": versions,
+            "input_ids": padded("token_ids", torch.long, pad_token_id),
+            "attention_mask": torch.arange(int(lengths.max())) < lengths[:, None],
+            "loss_mask": padded("loss_mask", torch.bool, False),
+            "logprobs": padded("logprobs", torch.float32, 0.0),
+            "versions": padded("versions", torch.long, -1),
             "rewards": torch.tensor([ep.reward for _, ep in rows], dtype=torch.float32),
             "group_ids": torch.tensor([gid for gid, _ in rows], dtype=torch.long),
             "truncated": torch.tensor([ep.truncated for _, ep in rows], dtype=torch.bool),
             # a prompt-only episode never sampled, so its logprobs are all masked; T=1 is neutral
-            "temperature": torch.tensor(
-                [ep.temperature or 1.0 for _, ep in rows], dtype=torch.float32
-            ),
+            "temperature": torch.tensor([ep.temperature or 1.0 for _, ep in rows],
+                                        dtype=torch.float32),
         },
         batch_size=[n],
     )
