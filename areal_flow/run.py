@@ -101,18 +101,16 @@ class RunDir:
 
     def write_config(self, config: Any, note: str = "") -> None:
         """config.yaml; `note` (what was measured at start, say) heads it as comments."""
-        dump(config, self.path / "config.yaml")
-        if note:
-            text = (self.path / "config.yaml").read_text()
-            comments = "".join(f"# {line}\n" for line in note.splitlines())
-            (self.path / "config.yaml").write_text(comments + text)
+        file = self.path / "config.yaml"
+        dump(config, file)
+        file.write_text("".join(f"# {line}\n" for line in note.splitlines()) + file.read_text())
 
     def start_loggers(self, names: Iterable[str], config: Any, step: int) -> None:
         self.loggers = [registry.loggers.get(name)(self.path, config=unstructure(config),
                                                    start_step=step) for name in names]
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
-        self._append("metrics.jsonl", [{"step": step, **metrics}])
+        self._append("metrics.jsonl", step, [metrics])
         numbers = {k: float(x) for k, x in metrics.items()
                    if isinstance(x, (int, float)) and not isinstance(x, bool)}
         for logger in self.loggers:
@@ -127,10 +125,10 @@ class RunDir:
             self._lock = None
 
     def log_samples(self, step: int, samples: Iterable[dict[str, Any]]) -> None:
-        self._append("samples.jsonl", [{"step": step, **s} for s in samples])
+        self._append("samples.jsonl", step, samples)
 
     def log_eval_samples(self, step: int, samples: Iterable[dict[str, Any]]) -> None:
-        self._append("eval_samples.jsonl", [{"step": step, **s} for s in samples])
+        self._append("eval_samples.jsonl", step, samples)
 
     def has_checkpoint(self, step: int) -> bool:
         """A complete checkpoint of `step` is there (rank 0's view, given to every rank)."""
@@ -143,8 +141,7 @@ class RunDir:
 
     def latest_checkpoint(self) -> tuple[int, Path] | None:
         """The newest complete, undamaged checkpoint: (step, folder), or None."""
-        done = sorted(p for p in self.checkpoints.glob("step-*") if (p / COMPLETE).exists())
-        for path in reversed(done):
+        for path in reversed(self._complete()):
             damage = checkpoint_damage(path)
             if damage is None:
                 return int(path.name.split("-")[1]), path
@@ -179,7 +176,7 @@ class RunDir:
         """Removes half-written `path`; returns an error naming the space needed and free."""
         written = _folder_bytes(path)
         shutil.rmtree(path, ignore_errors=True)
-        complete = [p for p in sorted(self.checkpoints.glob("step-*")) if (p / COMPLETE).exists()]
+        complete = self._complete()
         needed = _folder_bytes(complete[-1]) if complete else None
         free = shutil.disk_usage(self.checkpoints if self.checkpoints.exists()
                                  else self.path).free
@@ -197,13 +194,15 @@ class RunDir:
         """Keep `newest` and the `keep_checkpoints` - 1 complete ones before; delete the rest."""
         if not self.keep_checkpoints:
             return
-        others = sorted(p for p in self.checkpoints.glob("step-*") if p != newest)
-        complete = [p for p in others if (p / COMPLETE).exists()]
-        kept = complete[len(complete) - (self.keep_checkpoints - 1):] \
-            if self.keep_checkpoints > 1 else []
-        for old in others:
-            if old not in kept:
+        complete = [p for p in self._complete() if p != newest]
+        kept = complete[max(0, len(complete) + 1 - self.keep_checkpoints):]
+        for old in sorted(self.checkpoints.glob("step-*")):
+            if old != newest and old not in kept:
                 shutil.rmtree(old, ignore_errors=True)
+
+    def _complete(self) -> list[Path]:
+        """The marked checkpoint folders, oldest first."""
+        return sorted(p for p in self.checkpoints.glob("step-*") if (p / COMPLETE).exists())
 
     def load_checkpoint(self, trainer: Any, *, critic: Any = None) -> tuple[int, Any]:
         """Restore `resume_from` into `trainer` (and `critic`) on every rank: (step, extra)."""
@@ -237,10 +236,10 @@ class RunDir:
                     kept.append(line)
             file.write_text("".join(f"{line}\n" for line in kept))
 
-    def _append(self, name: str, records: list[dict[str, Any]]) -> None:
+    def _append(self, name: str, step: int, records: Iterable[dict[str, Any]]) -> None:
         with open(self.path / name, "a") as f:
             for record in records:
-                f.write(json.dumps(record, default=_jsonable) + "\n")
+                f.write(json.dumps({"step": step, **record}, default=_jsonable) + "\n")
 
 
 def _jsonable(value: Any) -> float | str:
