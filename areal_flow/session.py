@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -59,10 +60,9 @@ class Session:
             if kind is None and self.display is not None:
                 self.display.print(f"done: {self.run.path}")
 
-    def closing(self, close: Callable[[], Any] | None) -> None:
-        """Call `close` (None: nothing) as the run ends, before the run folder; last first."""
-        if close is not None:
-            self._closing.callback(close)
+    def closing(self, close: Callable[[], Any]) -> None:
+        """Call `close` as the run ends, before the run folder; last first."""
+        self._closing.callback(close)
 
     def resume(self, trainer: Any, *, critic: Any = None) -> Any:
         """Sets the models to save; --resume loads them, sets `start`, returns `saved_also`'s."""
@@ -89,10 +89,8 @@ class Session:
         """The steps left from `start`; ends after the step at which a stop was requested."""
         self._closing.enter_context(self.stop)
         self._closing.enter_context(self.display)
-        step = self.start
-        while step < self.cfg.steps and not self._stopping:
-            yield step
-            step += 1
+        yield from itertools.takewhile(lambda _: not self._stopping,
+                                       range(self.start, self.cfg.steps))
 
     def end_step(self, step: int, metrics: dict[str, float] | None = None, *,
                  samples: list[dict] | None = None,
@@ -117,9 +115,7 @@ class Session:
         if failing:
             raise failure or RuntimeError(f"rank 0 failed after step {done}")
         if stopping:
-            self.display.print(f"stopped after step {done}; continue with --resume --run-dir "
-                               f"{self.run.path}")
-            self._stopping = True
+            self._stop(f"after step {done}")
 
     def stop_before(self, step: int, failure: BaseException | None = None) -> None:
         """Step `step` cannot start: save, raise `failure` or say how to resume; then break."""
@@ -127,8 +123,11 @@ class Session:
             self.checkpoint(step)
         if failure is not None:
             raise failure
-        self.display.print(f"stopped before step {step + 1}; continue with --resume --run-dir "
-                           f"{self.run.path}")
+        self._stop(f"before step {step + 1}")
+
+    def _stop(self, when: str) -> None:
+        """Ends `steps` after this one, saying how to continue."""
+        self.display.print(f"stopped {when}; continue with --resume --run-dir {self.run.path}")
         self._stopping = True
 
     def checkpoint(self, step: int) -> None:
