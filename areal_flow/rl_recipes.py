@@ -115,10 +115,9 @@ class RLConfig(RunConfig):
         for option, train in (("--train.compile", self.train), ("--critic.compile", self.critic)):
             compiled_layers.wanted(train.compile, device, option)  # "on" with no compiler
         spec = registry.algorithms.spec(self.algorithm_name)  # an unknown name fails here
-        options = self.algorithm
-        if spec.config is not None and not isinstance(options, spec.config):
+        if spec.config is not None and not isinstance(self.algorithm, spec.config):
             raise ValueError(f"--algorithm {self.algorithm_name} takes a {spec.config.__name__} "
-                             f"as its options, not a {type(options).__name__}: build the "
+                             f"as its options, not a {type(self.algorithm).__name__}: build the "
                              "config with `rl_recipes.cli` (the recipes do), or pass "
                              f"algorithm={spec.config.__name__}(...)")
         if self.critic.ppo_minibatches != 1:  # the critic's steps follow the policy's
@@ -255,14 +254,11 @@ def check_fields(dataset: str, options: Any, splits: dict[str, list[dict]]) -> N
     """Each row holds every field a ``*_field`` workflow option names (before weights load)."""
     if not attrs.has(type(options)):
         return
-    names = {f.name: getattr(options, f.name) for f in attrs.fields(type(options))
-             if f.name.endswith("_field") and isinstance(getattr(options, f.name), str)}
+    names = {option: name for option, name in attrs.asdict(options, recurse=False).items()
+             if option.endswith("_field") and isinstance(name, str)}
     for split, rows in splits.items():
-        for i, row in enumerate(rows):
-            missing = [(option, name) for option, name in names.items()
-                       if not isinstance(row, dict) or name not in row]
-            if missing:
-                option, name = missing[0]
+        for (i, row), (option, name) in itertools.product(enumerate(rows), names.items()):
+            if not isinstance(row, dict) or name not in row:
                 has = ", ".join(map(str, row)) if isinstance(row, dict) else type(row).__name__
                 raise ValueError(
                     f"--dataset {dataset}: {split} row {i} has no field {name!r} (it has: {has}), "
@@ -366,15 +362,14 @@ class EntropyWatch:
             return None
         if self.first is None:
             self.first = entropy
-            return None
-        if self.warned or entropy >= self.fraction * self.first:
-            return None
-        self.warned = True
-        return (f"warning: entropy {entropy:.3g} nats, below {self.fraction:.0%} of its first "
-                f"{self.first:.3g}: the policy is collapsing onto one form of answer. Try "
-                "--algorithm.entropy-target 1.2 --algorithm.entropy-coef-step 0.05 (GRPO), "
-                "--train.optim.warmup-steps 10 or a lower --train.optim.lr "
-                "(docs/when_a_run_does_not_learn.md)")
+        elif not self.warned and entropy < self.fraction * self.first:
+            self.warned = True
+            return (f"warning: entropy {entropy:.3g} nats, below {self.fraction:.0%} of its "
+                    f"first {self.first:.3g}: the policy is collapsing onto one form of answer. "
+                    "Try --algorithm.entropy-target 1.2 --algorithm.entropy-coef-step 0.05 "
+                    "(GRPO), --train.optim.warmup-steps 10 or a lower --train.optim.lr "
+                    "(docs/when_a_run_does_not_learn.md)")
+        return None
 
 
 @attrs.frozen
@@ -396,14 +391,9 @@ HOST_WAIT = 0.002
 """Seconds a hosting thread waits for work between batch checks (0.01: 37 ms steps, not 30)."""
 
 
-@contextlib.contextmanager
-def hosting(pool: Any, host: bool = True):
+def hosting(pool: Any, host: bool = True) -> contextlib.AbstractContextManager:
     """The engine for this thread to step (its own thread's OpenMP team is throttled), or None."""
-    if host and isinstance(pool, LocalEngine):
-        with pool.hosted() as engine:
-            yield engine
-    else:
-        yield None
+    return pool.hosted() if host and isinstance(pool, LocalEngine) else contextlib.nullcontext()
 
 
 def next_batch(scheduler: RolloutScheduler | None, stop: StopRequest, timeout: float,
@@ -535,10 +525,9 @@ def batch_metrics(cfg: RLConfig, batch, scheduler: RolloutScheduler) -> dict[str
     out["memory/tree_rss_gb"] = tree_rss_gb()  # and the reward workers, servers it launched
     if torch.cuda.is_available():  # this rank's device: weights, optimizer, engine, activations
         out["memory/peak_gpu_gb"] = torch.cuda.max_memory_allocated() / 2**30
-    lags = batch["policy_version"][:, None] - batch["versions"]
-    out["staleness/mean"] = lags[batch["loss_mask"]].float().mean().item()
-    out["staleness/max"] = lags[batch["loss_mask"]].max().item() \
-        if batch["loss_mask"].any() else 0
+    lags = (batch["policy_version"][:, None] - batch["versions"])[batch["loss_mask"]]
+    out["staleness/mean"] = lags.float().mean().item()
+    out["staleness/max"] = lags.max().item() if lags.numel() else 0
     return out
 
 
@@ -560,26 +549,20 @@ def component_stats(**components: Any) -> dict[str, float]:
 def samples(cfg: RLConfig, batch, scheduler: RolloutScheduler) -> list[dict[str, Any]]:
     """First `samples_per_step` episodes: prompt, completion, reward, segments, metrics, info."""
     shown = min(cfg.samples_per_step, batch.batch_size[0])
-    completions = _completions(batch[:shown], scheduler)
     tok = scheduler.tokenizer
     infos = batch["info"]  # tensordict gives non-tensor entries as a list or a NonTensorStack
     infos = list(infos.tolist() if hasattr(infos, "tolist") else infos)
     out = []
     for i in range(shown):
+        ids, mask = batch["input_ids"][i], batch["loss_mask"][i]
         k = int(batch["attention_mask"][i].sum())
-        tokens = zip(batch["input_ids"][i, :k].tolist(), batch["loss_mask"][i, :k].tolist())
+        tokens = zip(ids[:k].tolist(), mask[:k].tolist())
         segments = [{"text": tok.decode([t for t, _ in run]), "trained": trained}
                     for trained, run in itertools.groupby(tokens, key=lambda pair: pair[1])]
         out.append({"prompt": "" if segments[0]["trained"] else segments[0]["text"],
-                    "completion": completions[i], "reward": batch["rewards"][i].item(),
-                    "segments": segments,
+                    "completion": tok.decode(ids[mask], skip_special_tokens=True),
+                    "reward": batch["rewards"][i].item(), "segments": segments,
                     "metrics": {name: value[i].item() for name, value in batch["metrics"].items()
                                 if not value[i].isnan()},
                     "info": infos[i]})
     return out
-
-
-def _completions(batch, scheduler: RolloutScheduler) -> list[str]:
-    tok = scheduler.tokenizer
-    return [tok.decode(ids[mask], skip_special_tokens=True)
-            for ids, mask in zip(batch["input_ids"], batch["loss_mask"])]
