@@ -71,17 +71,15 @@ class RunDir:
         self.resume = resume
         self.keep_checkpoints = keep_checkpoints
         self.loggers: list[Any] = []
-        self._lock = None
         if resume and not self.path.is_dir():
             raise FileNotFoundError(f"--resume: no run folder at {self.path}")
-        if lock:  # first: a live holder is the reason to name, whatever the folder holds
-            self.path.mkdir(parents=True, exist_ok=True)
-            self._lock = RunLock(self.path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        # first: a live holder is the reason to name, whatever the folder holds
+        self._lock = RunLock(self.path) if lock else None
         if not resume and (self.path / "metrics.jsonl").exists():
             self.close()
             raise FileExistsError(f"{self.path} already holds a run: pass --resume to continue it "
                                   "or choose another --run-dir")
-        self.path.mkdir(parents=True, exist_ok=True)
         self.checkpoints = self.path / "checkpoints"
         self.resume_from = self.latest_checkpoint() if resume else None
         """The checkpoint a resume starts from: (step, folder)."""
