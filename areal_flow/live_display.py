@@ -42,18 +42,16 @@ class LiveDisplay:
         """Show the state after `step` (1-based count of finished steps)."""
         if not self.enabled:
             return
-        done = step - self.start
         elapsed = time.monotonic() - self.began
-        eta = elapsed / max(done, 1) * (self.total - step)
+        eta = elapsed / max(step - self.start, 1) * (self.total - step)
         self.task = metrics.get("task_metrics", self.task)
-        labels = {}
+        values = {}
         for key, label in self.columns.items():
-            if key.endswith("task_metrics"):
-                prefix = key.removesuffix("task_metrics")
-                labels.update({prefix + name: label + name for name in self.task})
+            prefix = key.removesuffix("task_metrics")
+            if prefix == key:
+                values[label] = metrics.get(key)
             else:
-                labels[key] = label
-        values = {label: metrics.get(key) for key, label in labels.items()}
+                values.update({label + name: metrics.get(prefix + name) for name in self.task})
         if self._live is None:
             shown = " ".join(f"{label} {_fmt(v)}" for label, v in values.items() if v is not None)
             self.console.print(f"step {step}/{self.total} {shown} eta {eta / 60:.1f} min",
