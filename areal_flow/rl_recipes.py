@@ -143,8 +143,7 @@ def cli(config_class: type[C], args: Sequence[str] | None = None) -> C:
         except AllocationError as error:
             usage_error(error)
     name = _flag(args, "--algorithm")
-    default = attrs.fields_dict(config_class)["algorithm_name"].default
-    if name is not None and name != default:
+    if name not in (None, attrs.fields_dict(config_class)["algorithm_name"].default):
         try:
             options = registry.algorithms.spec(name).config
         except registry.RegistryError as error:
