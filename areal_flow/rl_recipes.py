@@ -447,10 +447,12 @@ def evaluate(cfg: RLConfig, scheduler: RolloutScheduler, rows: list[dict], *,
             engine.step(timeout=HOST_WAIT)
         groups = pending.result()
         episodes = [ep for group in groups for ep in group]
-    if run is not None:
-        run.log_eval_samples(step, [eval_sample(i, row, group[0] if group else None,
-                                                scheduler.tokenizer)
-                                    for i, (row, group) in enumerate(zip(rows, groups))])
+    if run is not None:  # a row whose episode kept failing: no transcript, reward 0
+        run.log_eval_samples(step, [
+            {"index": i, "row": row, "transcript": None, "reward": 0.0, "metrics": {}} if not group
+            else {"index": i, "row": row, "transcript": transcript(group[0], scheduler.tokenizer),
+                  "reward": float(group[0].reward or 0.0), "metrics": dict(group[0].metrics)}
+            for i, (row, group) in enumerate(zip(rows, groups))])
     n = len(rows)  # a row whose episode kept failing counts as a 0
     out = {"eval/reward": sum(ep.reward for ep in episodes) / n,
            "eval/response_length": sum(sum(ep.loss_mask) for ep in episodes) / n}
@@ -463,20 +465,10 @@ def evaluate(cfg: RLConfig, scheduler: RolloutScheduler, rows: list[dict], *,
     return out
 
 
-def eval_sample(index: int, row: dict, episode: Any, tokenizer: Any) -> dict[str, Any]:
-    """A row's greedy episode as eval_samples.jsonl holds it (None: it kept failing; reward 0)."""
-    if episode is None:
-        return {"index": index, "row": row, "transcript": None, "reward": 0.0, "metrics": {}}
-    return {"index": index, "row": row, "transcript": transcript(episode, tokenizer),
-            "reward": float(episode.reward or 0.0), "metrics": dict(episode.metrics)}
-
-
 def transcript(episode: Any, tokenizer: Any) -> list[dict[str, Any]]:
     """The episode's segments after its prompt, as the model saw them, each marked ``"model"``."""
-    first = next((i for i, seg in enumerate(episode.segments) if seg.trainable),
-                 len(episode.segments))
     return [{"model": seg.trainable, "text": tokenizer.decode(list(seg.token_ids))}
-            for seg in episode.segments[first:]]
+            for seg in itertools.dropwhile(lambda seg: not seg.trainable, episode.segments)]
 
 
 def metric_means(metrics: list[dict[str, float]], n: int, rates: set[str]
