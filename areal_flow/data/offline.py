@@ -40,9 +40,9 @@ def packaged_file(package: str, version: str, relative: str, install: str) -> Pa
     return path
 
 
-def packaged_smollm2(cache: Path | None = None) -> Path:
+def packaged_smollm2() -> Path:
     """SmolLM2-135M-Instruct as a cached `save_pretrained` folder, converted on first use."""
-    target = (cache or cache_dir() / "models") / "SmolLM2-135M-Instruct"
+    target = cache_dir() / "models" / "SmolLM2-135M-Instruct"
     if target.exists():
         return target
     gguf = packaged_file(MODEL_PACKAGE, MODEL_VERSION, MODEL_FILE,
