@@ -37,6 +37,4 @@ class RunLock:
         self._handle = handle
 
     def release(self) -> None:
-        if self._handle is not None:
-            self._handle.close()  # closing the descriptor drops the flock
-            self._handle = None
+        self._handle.close()  # closing the descriptor drops the flock; again: nothing
