@@ -11,25 +11,18 @@ import torch.nn.functional as F
 
 from areal_flow.inference import packed_weights
 
-DEVICES = {"cpu"}
-
-
-def _decoder_layers() -> tuple[type, ...]:
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-    from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
-
-    return LlamaDecoderLayer, Qwen2DecoderLayer
-
 
 def supports(model: torch.nn.Module, device: torch.device) -> bool:
     """Whether `DecodeStep` computes `model`'s decode step on `device` (else: transformers')."""
     from transformers.activations import SiLUActivation
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
 
     base = getattr(model, "model", None)
     layers = getattr(base, "layers", None)
-    if device.type not in DEVICES or layers is None or not hasattr(model, "lm_head"):
+    if device.type != "cpu" or layers is None or not hasattr(model, "lm_head"):
         return False
-    return all(isinstance(layer, _decoder_layers())
+    return all(isinstance(layer, (LlamaDecoderLayer, Qwen2DecoderLayer))
                and getattr(layer.self_attn, "sliding_window", None) is None  # full attention
                and isinstance(layer.mlp.act_fn, (SiLUActivation, torch.nn.SiLU))
                for layer in layers)

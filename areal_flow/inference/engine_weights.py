@@ -39,35 +39,43 @@ class EngineWeights:
     def update(self, update: WeightUpdate) -> bool:
         """Load `update`; True when its tensors were kept, not copied."""
         if update.lora is not None:
-            kept = self._update_adapter(update)
-            self.repack()
-            return kept
-        if update.state_dict is not None:
-            state = update.state_dict
-        elif update.path is not None:
-            state = AutoModelForCausalLM.from_pretrained(
-                update.path, dtype=self.model.dtype).state_dict()
+            state, received = self._adapter_update(update), set()
         else:
-            raise ValueError(
-                "the local engine takes weights as a state dict or a folder; the "
-                "distributed group path belongs to the SGLang-protocol server"
-            )
-        if self.adapter is not None:
-            raise ValueError("this engine serves a LoRA adapter: it takes adapters "
-                             "(WeightUpdate.lora), not full weights")
-        received = self._covered(set(state), update.version)
+            if update.state_dict is not None:
+                state = update.state_dict
+            elif update.path is not None:
+                state = AutoModelForCausalLM.from_pretrained(
+                    update.path, dtype=self.model.dtype).state_dict()
+            else:
+                raise ValueError(
+                    "the local engine takes weights as a state dict or a folder; the "
+                    "distributed group path belongs to the SGLang-protocol server"
+                )
+            if self.adapter is not None:
+                raise ValueError("this engine serves a LoRA adapter: it takes adapters "
+                                 "(WeightUpdate.lora), not full weights")
+            received = self._covered(set(state), update.version)
+            if update.version != self.version:
+                received = set()
         kept = update.live and self._keep_tensors(state)
         if not kept:
+            if update.lora is not None:
+                state = {name: t for name, t in state.items() if is_adapter(name)}
+                expected = {name for name in self.model.state_dict() if is_adapter(name)}
+                if set(state) != expected:
+                    raise ValueError(f"the adapter does not fit the model's LoRA layers: missing "
+                                     f"{_some(expected - set(state))}, unexpected "
+                                     f"{_some(set(state) - expected)}")
             self._own_tensors()
             self._load_state_dict(state)
         self.shared = kept
-        self._received = received if update.version == self.version else set()
+        self._received = received
         self.version = update.version
         self.repack()
         return kept
 
-    def _update_adapter(self, update: WeightUpdate) -> bool:
-        """LoRA layers are injected at the first adapter, then only adapter tensors load."""
+    def _adapter_update(self, update: WeightUpdate) -> dict:
+        """The adapter's tensors; LoRA layers are injected at the first adapter."""
         if self.adapter is None:
             self.adapter = add_adapters(self.model, update.lora)
             self.model.requires_grad_(False)
@@ -78,21 +86,7 @@ class EngineWeights:
                 f"{self.adapter['lora_alpha']} on {self.adapter['target_modules']}; an adapter "
                 f"of rank {update.lora['r']}, alpha {update.lora['lora_alpha']} on "
                 f"{update.lora['target_modules']} needs a new engine")
-        state = load_adapter(update.path)[1] if update.path is not None else update.state_dict
-        kept = update.live and self._keep_tensors(state)
-        if not kept:
-            state = {name: t for name, t in state.items() if is_adapter(name)}
-            expected = {name for name in self.model.state_dict() if is_adapter(name)}
-            if set(state) != expected:
-                raise ValueError(f"the adapter does not fit the model's LoRA layers: missing "
-                                 f"{_some(expected - set(state))}, unexpected "
-                                 f"{_some(set(state) - expected)}")
-            self._own_tensors()
-            self._load_state_dict(state)
-        self.shared = kept
-        self._received = set()
-        self.version = update.version
-        return kept
+        return load_adapter(update.path)[1] if update.path is not None else update.state_dict
 
     def remove_adapter(self) -> None:
         self._own_tensors()

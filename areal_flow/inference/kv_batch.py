@@ -25,22 +25,17 @@ class SlotLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         old = self.get_seq_length()
         new = old + key_states.shape[-2]
-        if old == 0 or new > self._room_keys.shape[-2]:
-            self._grow(key_states, value_states, old, new)
+        if old == 0 or new > self._room_keys.shape[-2]:  # grow, at least doubling
+            width = max(2 * old, new + GROW)
+            rooms = [states.new_empty((*states.shape[:2], width, states.shape[3]))
+                     for states in (key_states, value_states)]
+            if old:
+                rooms[0][:, :, :old], rooms[1][:, :, :old] = self.keys, self.values
+            self._room_keys, self._room_values = rooms
         self._room_keys[:, :, old:new] = key_states
         self._room_values[:, :, old:new] = value_states
         self.keys, self.values = self._room_keys[:, :, :new], self._room_values[:, :, :new]
         return self.keys, self.values
-
-    def _grow(self, key_states: torch.Tensor, value_states: torch.Tensor, old: int,
-              new: int) -> None:
-        width = max(2 * old, new + GROW)
-        keys = key_states.new_empty((*key_states.shape[:2], width, key_states.shape[3]))
-        values = value_states.new_empty((*value_states.shape[:2], width, value_states.shape[3]))
-        if old:
-            keys[:, :, :old] = self.keys
-            values[:, :, :old] = self.values
-        self._room_keys, self._room_values = keys, values
 
     def keep_rows(self, to: torch.Tensor, source: torch.Tensor, kept: int) -> None:
         """In place: move rows `source` to `to` (ascending, each lower: none lost), keep `kept`."""
@@ -120,22 +115,20 @@ class KVBatch:
         if not rows:
             self.clear()
             return
-        start = int(self.mask[rows].any(0).nonzero()[0])
-        slots = all(type(layer) is SlotLayer for layer in self.cache.layers)
-        if slots and start < TRIM_AT * self.mask.shape[1]:
+        index = torch.tensor(rows, device=self.mask.device)
+        start = int(self.mask[index].any(0).nonzero()[0])
+        if not all(type(layer) is SlotLayer for layer in self.cache.layers):
+            self.cache, self.mask = self.rows(self.cache, self.mask, rows, start)
+            return
+        if start < TRIM_AT * self.mask.shape[1]:
             # each kept row to its new index, once for every layer
-            moved = [(new, old) for new, old in enumerate(rows) if new != old]
-            to, source = (torch.tensor([pair[side] for pair in moved], dtype=torch.long,
-                                       device=self.mask.device) for side in (0, 1))
+            moved = index != torch.arange(len(rows), device=index.device)
+            to, source = moved.nonzero()[:, 0], index[moved]
             with torch.inference_mode():  # an abort keeps rows outside the step's inference mode
                 for layer in self.cache.layers:
                     layer.keep_rows(to, source, len(rows))
-            self.mask = self.mask.index_select(0, torch.tensor(rows, device=self.mask.device))
+            self.mask = self.mask.index_select(0, index)
             return
-        if not slots:
-            self.cache, self.mask = self.rows(self.cache, self.mask, rows, start)
-            return
-        index = torch.tensor(rows, device=self.mask.device)
         for i, layer in enumerate(self.cache.layers):
             kept = SlotLayer()
             kept.update(layer.keys.index_select(0, index)[:, :, start:],

@@ -47,12 +47,10 @@ def _set_thread_pool_size(threads: int) -> None:
     """Set this thread's OpenMP pool only (torch.set_num_threads would set the trainer's too)."""
     torch.get_num_threads()  # torch's lazy per-thread init first, or it would undo the setting
     try:
-        set_pool = ctypes.CDLL(None).omp_set_num_threads
+        ctypes.CDLL(None).omp_set_num_threads(threads)
     except AttributeError:  # a torch without OpenMP: say so rather than ignore the setting
         warnings.warn(f"the local engine's threads={threads} has no effect: this torch has no "
                       "OpenMP runtime to give its thread a pool of its own", stacklevel=1)
-        return
-    set_pool(threads)
 
 
 @attrs.define(eq=False)
@@ -65,10 +63,6 @@ class _Sequence:
     tokens: list[int] = attrs.field(factory=list)
     logprobs: list[float] = attrs.field(factory=list)
     versions: list[int] = attrs.field(factory=list)
-
-    @property
-    def context(self) -> list[int]:
-        return [*self.request.input_ids, *self.tokens]
 
 
 class LocalEngine:
@@ -159,8 +153,7 @@ class LocalEngine:
         self._reported = (time.perf_counter(), _Counters())
         self.on_step: Callable[[LocalEngine], None] | None = None
         """Called on the engine thread after every batch step (tests and instrumentation)."""
-        self._thread = threading.Thread(target=self._loop, name="local-engine", daemon=True)
-        self._thread.start()
+        self._start_thread()
 
     in_process = True
 
@@ -244,20 +237,20 @@ class LocalEngine:
         """Load a state dict or folder. Bucketed: calls keeping the version accumulate; the one
         changing it must complete the tensors (else ValueError). A `live` update matching the
         engine's dtype and device is kept, not copied (True); its owner pauses the engine first."""
-        was_paused = self._paused
-        self.pause()
-        try:
+        with self._paused_for_change():
             return self.weights.update(update)
-        finally:
-            if not was_paused:
-                self.resume()
 
     def remove_adapter(self) -> None:
         """Serve the base model: zero the adapter's B matrices (its layers stay for the next)."""
+        with self._paused_for_change():
+            self.weights.remove_adapter()
+
+    @contextlib.contextmanager
+    def _paused_for_change(self):
         was_paused = self._paused
         self.pause()
         try:
-            self.weights.remove_adapter()
+            yield
         finally:
             if not was_paused:
                 self.resume()
@@ -324,9 +317,7 @@ class LocalEngine:
             with self._cv:
                 self._hosted = False
                 if not self._closing:
-                    self._thread = threading.Thread(target=self._loop, name="local-engine",
-                                                    daemon=True)
-                    self._thread.start()
+                    self._start_thread()
 
     def step(self, timeout: float) -> None:
         """One engine step within `hosted()`; waits up to `timeout` seconds for work."""
@@ -335,6 +326,10 @@ class LocalEngine:
         self._step(timeout, background=False)
 
     # -- the engine thread --------------------------------------------------------------
+
+    def _start_thread(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="local-engine", daemon=True)
+        self._thread.start()
 
     def _loop(self) -> None:
         if self.threads is not None:
@@ -349,19 +344,15 @@ class LocalEngine:
             self._drain_aborts_locked()
             if self._paused and self._running:
                 self._interrupt_locked()
-            while not self._closing and not (background and self._hosted) and (
+            while (stop := self._closing or (background and self._hosted)) or (
                     self._paused or not (self._waiting or self._running)):
                 self._idle = True
                 self._cv.notify_all()
                 remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return True
+                if stop or (remaining is not None and remaining <= 0):
+                    return not stop
                 self._cv.wait(remaining)
                 self._drain_aborts_locked()
-            if self._closing or (background and self._hosted):
-                self._idle = True
-                self._cv.notify_all()
-                return False
             self._idle = False
             room = self.max_batch_size - len(self._running)
             admitted = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
@@ -382,13 +373,12 @@ class LocalEngine:
         for seq in seqs:
             _settle(seq.future, exc)
         self._running = []
-        self._kv.clear()
+        self._kv.clear()  # not `_keep`, which may be what failed
 
     def _interrupt_locked(self) -> None:
         self._totals.interruptions += len(self._running)
         self._waiting.extendleft(reversed(self._running))
-        self._running = []
-        self._kv.clear()
+        self._keep([])
 
     def _drain_aborts_locked(self) -> None:
         if not self._abort:
@@ -412,7 +402,7 @@ class LocalEngine:
 
     def _prefill(self, admitted: list[_Sequence]) -> None:
         """Prefill a same-prompt group's common context once, copied per request; then the rest."""
-        contexts = [seq.context for seq in admitted]
+        contexts = [[*seq.request.input_ids, *seq.tokens] for seq in admitted]
         groups: dict[object, list[int]] = {}
         for i, seq in enumerate(admitted):
             groups.setdefault(seq.request.input_ids if self.share_prefix else i, []).append(i)
@@ -524,13 +514,11 @@ class LocalEngine:
 
 def _settle(future: concurrent.futures.Future, outcome: object) -> None:
     """Resolve `future` unless its caller already cancelled it."""
-    try:
+    with contextlib.suppress(concurrent.futures.InvalidStateError):
         if isinstance(outcome, BaseException):
             future.set_exception(outcome)
         else:
             future.set_result(outcome)
-    except concurrent.futures.InvalidStateError:
-        pass
 
 
 @attrs.define

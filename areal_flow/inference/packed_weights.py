@@ -17,13 +17,11 @@ SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 ATTRIBUTE = "packed_siblings"
 
-DEVICES = {"cpu"}
-"""Device types whose linear layers run on oneDNN (a GPU's run on cuBLAS: nothing to pack)."""
-
 
 def available(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether packing applies: bf16 weights on a CPU whose oneDNN has bf16 kernels."""
-    return (device.type in DEVICES and dtype == torch.bfloat16
+    # a GPU's linear layers run on cuBLAS, not oneDNN: nothing to pack
+    return (device.type == "cpu" and dtype == torch.bfloat16
             and torch.backends.mkldnn.is_available()
             and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
@@ -86,20 +84,17 @@ class Siblings:
 
     def __init__(self, layers: list[torch.nn.Linear]):
         biases = [layer.bias for layer in layers]
-        self._forward = linear(torch.cat([layer.weight.detach() for layer in layers]),
-                               None if biases[0] is None else torch.cat(biases).detach())
+        self.product = linear(torch.cat([layer.weight.detach() for layer in layers]),
+                              None if biases[0] is None else torch.cat(biases).detach())
+        """Every layer's output of an input side by side, in the order the layers were given."""
         ends = torch.tensor([layer.out_features for layer in layers]).cumsum(0).tolist()
         self._slices = [slice(end - layer.out_features, end) for end, layer in zip(ends, layers)]
         self._input: torch.Tensor | None = None
         self._product: torch.Tensor | None = None
         self._waiting: set[int] = set()
 
-    def product(self, x: torch.Tensor) -> torch.Tensor:
-        """Every layer's output of `x` side by side, in the order the layers were given."""
-        return self._forward(x)
-
     def parts(self, x: torch.Tensor) -> list[torch.Tensor]:
-        product = self._forward(x)
+        product = self.product(x)
         return [product[..., part] for part in self._slices]
 
     def forwards(self) -> list:
@@ -107,7 +102,7 @@ class Siblings:
 
     def _slice(self, x: torch.Tensor, i: int) -> torch.Tensor:
         if x is not self._input or i not in self._waiting:
-            self._input, self._product = x, self._forward(x)
+            self._input, self._product = x, self.product(x)
             self._waiting = set(range(len(self._slices)))
         out = self._product[..., self._slices[i]]
         self._waiting.discard(i)
