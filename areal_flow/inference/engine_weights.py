@@ -67,7 +67,10 @@ class EngineWeights:
                                      f"{_some(expected - set(state))}, unexpected "
                                      f"{_some(set(state) - expected)}")
             self._own_tensors()
-            self._load_state_dict(state)
+            try:
+                self.model.load_state_dict(state, strict=False)
+            except RuntimeError as exc:  # shape mismatches
+                raise ValueError(f"weights do not fit the model: {exc}") from exc
         self.shared = kept
         self._received = received
         self.version = update.version
@@ -137,12 +140,6 @@ class EngineWeights:
             self.model.load_state_dict(state, assign=True)
             self.model.requires_grad_(False)
         return True
-
-    def _load_state_dict(self, state_dict) -> None:
-        try:
-            self.model.load_state_dict(state_dict, strict=False)
-        except RuntimeError as exc:  # shape mismatches
-            raise ValueError(f"weights do not fit the model: {exc}") from exc
 
 
 def _some(names: set[str]) -> str:

@@ -23,10 +23,8 @@ import attrs
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from areal_flow.inference import decode_step, packed_weights
 from areal_flow.inference import grouped_attention as grouped_attention_module
-from areal_flow.inference import packed_weights
-from areal_flow.inference.decode_step import DecodeStep
-from areal_flow.inference.decode_step import supports as decode_step_supports
 from areal_flow.inference.engine_weights import EngineWeights
 from areal_flow.inference.kv_batch import KVBatch, left_padded, positions
 from areal_flow.inference.sampling import sample
@@ -122,8 +120,8 @@ class LocalEngine:
         if self.grouped_attention:
             grouped_attention_module.use(self.model)
         # reads the model's modules as they are at each step: updates and adapters apply
-        self._decode_step = DecodeStep(self.model) if fused_decode and decode_step_supports(
-            self.model, self.device) else None
+        self._decode_step = decode_step.DecodeStep(self.model) if fused_decode and \
+            decode_step.supports(self.model, self.device) else None
         self.max_length = getattr(self.model.config, "max_position_embeddings", None)
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
         # what a decode step must read at least (tied tensors once), and how fast it can be read
@@ -413,21 +411,19 @@ class LocalEngine:
         ids, mask = left_padded(prefixes, self.pad_token_id, self.device)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions(mask),
                          use_cache=True, logits_to_keep=1)  # only the last position samples
+        prefilled = getattr(out, self._cache)
         whole = [i for i, c in enumerate(contexts) if len(c) == cut[i]]
         rest = [i for i, c in enumerate(contexts) if len(c) > cut[i]]
         logits = []
         if whole:  # the prefix is the whole context: copy its row and logits for each request
             rows = [group[i] for i in whole]
-            if rows == list(range(len(prefixes))):
-                self._join(getattr(out, self._cache), mask, [admitted[i] for i in whole])
-            else:
-                self._join(*self._kv.rows(getattr(out, self._cache), mask, rows),
-                           [admitted[i] for i in whole])
+            joined = (prefilled, mask) if rows == list(range(len(prefixes))) else \
+                self._kv.rows(prefilled, mask, rows)
+            self._join(*joined, [admitted[i] for i in whole])
             logits.append(out.logits[rows, -1])
         suffixes = [contexts[i][cut[i]:] for i in rest]
         if rest:  # the rest of each context runs after a copy of its group's prefix rows
-            cache, prefix_mask = self._kv.rows(getattr(out, self._cache), mask,
-                                               [group[i] for i in rest])
+            cache, prefix_mask = self._kv.rows(prefilled, mask, [group[i] for i in rest])
             ids, suffix_mask = left_padded(suffixes, self.pad_token_id, self.device)
             # left padding of the suffixes leaves masked columns between prefix and suffix
             mask = torch.cat([prefix_mask, suffix_mask], dim=1)
