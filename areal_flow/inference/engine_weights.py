@@ -55,8 +55,6 @@ class EngineWeights:
                 raise ValueError("this engine serves a LoRA adapter: it takes adapters "
                                  "(WeightUpdate.lora), not full weights")
             received = self._covered(set(state), update.version)
-            if update.version != self.version:
-                received = set()
         kept = update.live and self._keep_tensors(state)
         if not kept:
             if update.lora is not None:
@@ -114,8 +112,8 @@ class EngineWeights:
             self.shared = False
 
     def _covered(self, names: set[str], version: int) -> set[str]:
-        """`names` plus those received before; ValueError if none, unknown, or a version change
-        leaves tensors unsent since the last one."""
+        """`names` plus those received before at this version (none once it changes); ValueError if
+        none, unknown, or a version change leaves tensors unsent since the last one."""
         if not names:
             raise ValueError("weights do not fit the model: the update holds no tensors")
         unexpected = names - self._aliases.keys()
@@ -127,7 +125,7 @@ class EngineWeights:
             raise ValueError(f"weights do not fit the model: version {version} would leave "
                              f"tensors not updated since version {self.version}: "
                              f"missing names {_some(missing)}")
-        return received
+        return received if version == self.version else set()
 
     def _keep_tensors(self, state) -> bool:
         """Make the model's parameters and buffers `state`'s tensors, when they all fit."""

@@ -31,8 +31,6 @@ from areal_flow.inference.sampling import sample
 from areal_flow.types import Completion, FinishReason, GenerationRequest, WeightUpdate
 from areal_flow.runtime.precision import CHOICES, choose, read_bandwidth
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
 
 def resolve_device(device: str) -> torch.device:
     """``"auto"`` is CUDA when a GPU is visible, else the CPU; anything else is a torch device."""
@@ -105,7 +103,7 @@ class LocalEngine:
         self.precision = choose(dtype, self.model_path, purpose="decode", device=self.device)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.model = AutoModelForCausalLM.from_pretrained(
-            self.model_path, dtype=DTYPES[self.precision.dtype], attn_implementation="sdpa"
+            self.model_path, dtype=self.precision.torch_dtype, attn_implementation="sdpa"
         ).to(self.device).eval()
         # transformers 5.24 renamed the KV cache argument and output `past_key_values` to
         # `cache` (the old name warns, and goes in 5.40); earlier 5.x know only the old one
