@@ -18,8 +18,7 @@ def supports(model: torch.nn.Module, device: torch.device) -> bool:
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
     from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
 
-    base = getattr(model, "model", None)
-    layers = getattr(base, "layers", None)
+    layers = getattr(getattr(model, "model", None), "layers", None)
     if device.type != "cpu" or layers is None or not hasattr(model, "lm_head"):
         return False
     return all(isinstance(layer, (LlamaDecoderLayer, Qwen2DecoderLayer))

@@ -99,9 +99,7 @@ class KVBatch:
 
         def left_pad(t: torch.Tensor, dim: int) -> torch.Tensor:
             missing = width - t.shape[dim]
-            if missing == 0:
-                return t
-            return F.pad(t, [0, 0] * (t.dim() - 1 - dim) + [missing, 0])
+            return F.pad(t, [0, 0] * (t.dim() - 1 - dim) + [missing, 0]) if missing else t
 
         self.cache = self.wrap([
             (torch.cat([left_pad(a.keys, 2), left_pad(b.keys, 2)]),

@@ -7,6 +7,8 @@ row counts, prefill's narrow k, v may differ in the last bits."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 BATCH_HINT = 16
@@ -37,8 +39,8 @@ def pack(model: torch.nn.Module) -> int:
             if _packable(layers) and len({layer.in_features for layer in layers}) == 1 \
                     and len({layer.bias is None for layer in layers}) == 1:
                 together = Siblings(layers)
-                for layer, forward in zip(layers, together.forwards()):
-                    layer.forward = forward
+                for i, layer in enumerate(layers):
+                    layer.forward = functools.partial(together.output, i=i)
                 module.__dict__[ATTRIBUTE] = together
                 packed.update(layers)
     for module in model.modules():
@@ -78,7 +80,7 @@ def linear(weight: torch.Tensor, bias: torch.Tensor | None = None):
 
 
 class Siblings:
-    """Linear layers of one input as one product; `forwards()` gives each layer its slice. The
+    """Linear layers of one input as one product; `output` is each layer's forward. The
     product is kept from the first call until every layer took its slice (then dropped, saving a
     prefill's memory); a repeated layer or another input recomputes it."""
 
@@ -97,10 +99,7 @@ class Siblings:
         product = self.product(x)
         return [product[..., part] for part in self._slices]
 
-    def forwards(self) -> list:
-        return [lambda x, i=i: self._slice(x, i) for i in range(len(self._slices))]
-
-    def _slice(self, x: torch.Tensor, i: int) -> torch.Tensor:
+    def output(self, x: torch.Tensor, i: int) -> torch.Tensor:
         if x is not self._input or i not in self._waiting:
             self._input, self._product = x, self.product(x)
             self._waiting = set(range(len(self._slices)))
