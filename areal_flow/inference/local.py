@@ -338,8 +338,10 @@ class LocalEngine:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
             self._drain_aborts_locked()
-            if self._paused and self._running:
-                self._interrupt_locked()
+            if self._paused and self._running:  # requeued: re-prefilled after `resume`
+                self._totals.interruptions += len(self._running)
+                self._waiting.extendleft(reversed(self._running))
+                self._keep([])
             while (stop := self._closing or (background and self._hosted)) or (
                     self._paused or not (self._waiting or self._running)):
                 self._idle = True
@@ -370,11 +372,6 @@ class LocalEngine:
             _settle(seq.future, exc)
         self._running = []
         self._kv.clear()  # not `_keep`, which may be what failed
-
-    def _interrupt_locked(self) -> None:
-        self._totals.interruptions += len(self._running)
-        self._waiting.extendleft(reversed(self._running))
-        self._keep([])
 
     def _drain_aborts_locked(self) -> None:
         if not self._abort:
