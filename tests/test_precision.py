@@ -31,7 +31,6 @@ def test_auto_takes_bf16_only_where_it_is_clearly_faster(monkeypatch, tiny_model
     assert chosen.seconds == {"float32": fp32, "bfloat16": bf16}
     # the model's own shapes: the tiny model's hidden size 96 by its MLP width 192
     assert seen == [(precision.ROWS["train"], 96, 192, 1)]
-    assert chosen.flops == pytest.approx(2 * 256 * 96 * 192 / chosen.seconds[expected])
     assert expected in chosen.describe() and "measured" in chosen.describe()
 
 

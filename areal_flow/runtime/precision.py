@@ -18,8 +18,6 @@ import torch
 from areal_flow.config import PolicyLossConfig
 
 DTYPES = ("float32", "bfloat16")
-MEASURED = {"cpu"}
-"""Device types whose bf16 speed must be measured (a GPU's is known: bf16)."""
 SYNCHRONIZE = {"cuda": torch.cuda.synchronize}
 CHOICES = ("auto", *DTYPES)
 ROWS = {"train": 256, "decode": 16}
@@ -53,14 +51,6 @@ class Precision:
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
 
-    @property
-    def flops(self) -> float | None:
-        """The probe's FLOP/s in the chosen dtype (MFU's denominator)."""
-        if self.shape is None or self.dtype not in self.seconds:
-            return None
-        m, k, n, count = self.shape
-        return 2 * m * k * n * count / self.seconds[self.dtype]
-
     def describe(self) -> str:
         if not self.seconds:
             return f"{self.dtype} (given, or a GPU)"
@@ -84,9 +74,16 @@ def choose(dtype: str, model: str | Path, *, purpose: Literal["train", "decode"]
     if dtype in DTYPES:
         return Precision(dtype, purpose)
     device = torch.device(device)
-    if device.type not in MEASURED:  # a GPU: bf16 pays
+    if device.type != "cpu":  # a GPU: bf16 pays
         return Precision("bfloat16", purpose)
-    shape, seconds = _probe(model, purpose, device)
+    k, n, layers = _sizes(model)
+    layers = layers if purpose == "decode" else 1
+    shape = (ROWS[purpose], k, n, max(1, min(layers, DECODE_BYTES // (4 * k * n))))
+    packed = purpose == "decode" and _packable(device)
+    key = (str(device), shape, packed)
+    if key not in _measured:
+        _measured[key] = _seconds(shape, device, packed=packed)
+    seconds = _measured[key]
     faster = seconds["float32"] > MARGIN * seconds["bfloat16"]
     return Precision("bfloat16" if faster else "float32", purpose, dict(seconds), shape)
 
@@ -101,18 +98,6 @@ def gemm_rate(model: str | Path, dtype: str, device: torch.device | str = "cpu")
     if key not in _measured:
         _measured[key] = _seconds(shape, device, dtypes=(dtype,))[dtype]
     return 2 * shape[0] * k * n / _measured[key]
-
-
-def _probe(model: str | Path, purpose: str,
-           device: torch.device) -> tuple[tuple[int, int, int, int], dict[str, float]]:
-    k, n, layers = _sizes(model)
-    layers = layers if purpose == "decode" else 1
-    shape = (ROWS[purpose], k, n, max(1, min(layers, DECODE_BYTES // (4 * k * n))))
-    packed = purpose == "decode" and _packable(device)
-    key = (str(device), shape, packed)
-    if key not in _measured:
-        _measured[key] = _seconds(shape, device, packed=packed)
-    return shape, _measured[key]
 
 
 def _sizes(model: str | Path) -> tuple[int, int, int]:
@@ -154,17 +139,10 @@ def _seconds(shape: tuple[int, int, int, int], device: torch.device, budget: flo
         products["bfloat16"] = (a, [packed_weights.linear(w.to(device, torch.bfloat16))
                                     for w in weights])
     del weights
-    sync = SYNCHRONIZE.get(device.type, lambda: None)
 
     def timed(name: str, repeat: int = 1) -> float:
         a, layers = products[name]
-        sync()
-        start = time.perf_counter()
-        for _ in range(repeat):
-            for layer in layers:
-                layer(a)
-        sync()
-        return (time.perf_counter() - start) / repeat
+        return _timed(lambda: [layer(a) for layer in layers], device, repeat)
 
     best = {name: timed(name) for name in dtypes}  # a warm-up, kept only if it is that slow
     racing = [name for name in dtypes if best[name] < budget]
@@ -184,6 +162,17 @@ def _seconds(shape: tuple[int, int, int, int], device: torch.device, budget: flo
     return best
 
 
+def _timed(run: Any, device: torch.device, repeat: int = 1) -> float:
+    """Seconds per call of `run()`, `repeat` calls between two of the device's synchronizes."""
+    sync = SYNCHRONIZE.get(device.type, lambda: None)
+    sync()
+    start = time.perf_counter()
+    for _ in range(repeat):
+        run()
+    sync()
+    return (time.perf_counter() - start) / repeat
+
+
 def read_bandwidth(device: torch.device | str = "cpu") -> float:
     """Bytes/s read from memory (fastest copy of 256 MB; once a process): MBU's denominator."""
     device = torch.device(device)
@@ -191,14 +180,7 @@ def read_bandwidth(device: torch.device | str = "cpu") -> float:
     if key not in _measured:
         source = torch.ones(DECODE_BYTES // 4, device=device)
         target = torch.empty_like(source)
-        sync = SYNCHRONIZE.get(device.type, lambda: None)
-        best = float("inf")
-        for _ in range(5):
-            sync()
-            start = time.perf_counter()
-            target.copy_(source)
-            sync()
-            best = min(best, time.perf_counter() - start)
+        best = min(_timed(lambda: target.copy_(source), device) for _ in range(5))
         _measured[key] = DECODE_BYTES / best
     return _measured[key]
 
