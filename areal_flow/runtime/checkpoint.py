@@ -9,12 +9,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_state_dict, set_state_dict)
 from transformers import AutoTokenizer
 
 from areal_flow.lora import is_adapter, merged, save_adapter
@@ -43,8 +39,7 @@ def save_checkpoint(engine: TrainEngine, path: str | Path, extra_state: Any = No
     """Sharded model and optimizer (DCP), LR schedule, step count, RNG and `extra_state`; of a
     LoRA policy only the adapters and their optimizer state."""
     path = Path(path)
-    model_state, optim_state = _trained_state(engine)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(path / "dcp"))
+    dcp.save(_trained_state(engine), checkpoint_id=str(path / "dcp"))
     if engine.rank == 0:
         torch.save({"scheduler": engine.scheduler.state_dict(), "steps": engine.steps,
                     "rng": torch.get_rng_state(), "extra_state": extra_state},
@@ -55,8 +50,7 @@ def save_checkpoint(engine: TrainEngine, path: str | Path, extra_state: Any = No
 def load_checkpoint(engine: TrainEngine, path: str | Path) -> Any:
     """Restore `save_checkpoint`'s state on every rank; returns its `extra_state`."""
     path = Path(path)
-    model_state, optim_state = _trained_state(engine)
-    state = {"model": model_state, "optim": optim_state}
+    state = _trained_state(engine)
     dcp.load(state, checkpoint_id=str(path / "dcp"))
     set_state_dict(engine.model, engine.optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"],
@@ -68,10 +62,10 @@ def load_checkpoint(engine: TrainEngine, path: str | Path) -> Any:
     return trainer["extra_state"]
 
 
-def _trained_state(engine: TrainEngine) -> tuple[dict, dict]:
-    """The model's and optimizer's state dicts; of a LoRA model the adapter's alone (torch's
+def _trained_state(engine: TrainEngine) -> dict[str, dict]:
+    """{"model": ..., "optim": ...} state dicts; of a LoRA model the adapter's alone (torch's
     `ignore_frozen_params` still keeps a tied LM head: the whole embedding)."""
     model_state, optim_state = get_state_dict(engine.model, engine.optimizer)
     if engine.adapter is not None:
         model_state = {k: t for k, t in model_state.items() if is_adapter(k)}
-    return model_state, optim_state
+    return {"model": model_state, "optim": optim_state}

@@ -119,10 +119,7 @@ def on_rank0(fn, shard: TensorDict, owned: list[list[int]], rank: int,
     shards = None
     if rank == 0:
         full = fn(torch.cat([s for s in gathered if s.batch_size[0] > 0]))
-        bounds = [0]
-        for rows in owned:
-            bounds.append(bounds[-1] + len(rows))
-        shards = [full[bounds[i]:bounds[i + 1]] for i in range(world_size)]
+        shards = list(full.split([len(rows) for rows in owned]))
     received = [None]
     dist.scatter_object_list(received, shards, src=0)
     return received[0]

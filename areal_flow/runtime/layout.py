@@ -49,6 +49,4 @@ class PackedRows:
 
     def unpack(self, packed: torch.Tensor) -> torch.Tensor:
         """[1, tokens] model output -> [rows, length], zeros at padding (gradients flow)."""
-        cols = self.position_ids[0]
-        zeros = packed.new_zeros(self.shape)
-        return zeros.index_put((self.rows, cols), packed[0])
+        return packed.new_zeros(self.shape).index_put((self.rows, self.position_ids[0]), packed[0])
