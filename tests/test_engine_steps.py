@@ -806,7 +806,7 @@ def test_an_update_gives_the_freed_heap_back_to_the_os(world, tiny_model_dir):
     """What a thread other than the main one frees under glibc's mmap threshold stays resident
     in that thread's heap (here 0.5 MiB blocks, each pinned in place by a small one after it),
     as the engine thread's and the trainer's did in the default GSM8K run (its resident memory
-    grew 1.1 GB over 24 steps); `update` returns those pages (`engine._trim_heap`)."""
+    grew 1.1 GB over 24 steps); `update` returns those pages (glibc's `malloc_trim`)."""
     import threading
 
     from areal_flow.process_memory import rss_bytes

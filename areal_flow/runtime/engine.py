@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 import warnings
 from collections import defaultdict
 from pathlib import Path
@@ -110,34 +111,34 @@ class TrainEngine:
         _return_freed_memory()
         self.config = config
         self.value = value
-        path = str(model)
+        self.path = path = str(model)
         module = ValueModel(path) if value else AutoModelForCausalLM.from_pretrained(
             path, dtype=torch.float32, attn_implementation="sdpa")
         self.adapter: dict | None = None
         """The PEFT config of the policy's LoRA adapters (`TrainConfig.lora`), else None."""
         if config.lora.enabled and trainable and not value:
             self.adapter = add_adapters(module, config.lora.peft_dict())
+        body = module.backbone if value else module
         if config.packed_attention:
-            packed_attention.use(module.backbone if value else module)
+            packed_attention.use(body)
         if config.activation_checkpointing:
-            (module.backbone if value else module).activation_checkpointing_enable()
+            body.activation_checkpointing_enable()
         # training mode: transformers recomputes checkpointed layers only when `module.training`
         # (from_pretrained returns eval mode, where activation checkpointing silently does nothing)
         module.train(trainable)
         module.to(self.device)
         self.compiled = compiled_layers.wanted(config.compile, self.device)
         if self.compiled:
-            compiled_layers.compile_pointwise_parts(module.backbone if value else module)
-        # In a one-process fp32 world FSDP2 has nothing to shard and only copies every parameter
-        # and gradient through its collective buffers (0.6x the speed of the bare model,
-        # benchmarks/README.md); in bf16 its mixed-precision policy does the casting, so it stays.
+            compiled_layers.compile_pointwise_parts(body)
         # every rank computes in the dtype rank 0 measured (FSDP2 needs one policy)
         self.precision = same_on_all_ranks(choose(config.dtype, path, purpose="train",
                                                   device=self.device) if self.rank == 0 else None)
         bf16 = self.precision.torch_dtype is torch.bfloat16
-        self.path = path
         self.n_params = sum(p.numel() for p in module.parameters())
         self._gemm_rate: float | None = None
+        # In a one-process fp32 world FSDP2 has nothing to shard and only copies every parameter
+        # and gradient through its collective buffers (0.6x the speed of the bare model,
+        # benchmarks/README.md); in bf16 its mixed-precision policy does the casting, so it stays.
         self.sharded = self.world_size > 1 or bf16
         if self.sharded:
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
@@ -184,7 +185,8 @@ class TrainEngine:
         layout = PackedRows.of(ids, mb["attention_mask"].to(self.device))
         if self.value:
             values = layout.unpack(self.model(**layout.model_inputs()).float())
-            return ModelOutput(logprobs=torch.zeros_like(values), values=_shift(values[:, :-1]))
+            return ModelOutput(logprobs=torch.zeros_like(values),
+                               values=torch.nn.functional.pad(values[:, :-1], (1, 0)))
         where = LossPositions.of(layout, mb["loss_mask"].to(self.device),
                                  mb["temperature"].to(self.device))
         with loss_position_head(self.model, where, entropy) as extra:
@@ -196,17 +198,16 @@ class TrainEngine:
     @torch.no_grad()
     def forward(self, batch: TensorDict) -> TensorDict:
         """`outputs` for this rank's rows, micro-batched; every rank must call it."""
-        rows = batch.batch_size[0]
         logprobs = torch.zeros(batch["input_ids"].shape)
         values = torch.zeros(batch["input_ids"].shape)
         for mb_rows in self._plan(batch):
             if not mb_rows:
                 self._dummy_pass(backward=False)
                 continue
-            mb = _trim(batch[torch.tensor(mb_rows)])
+            index = torch.tensor(mb_rows)
+            mb = _trim(batch[index])
             out = self.outputs(mb, entropy="none")
             width = mb["input_ids"].shape[1]
-            index = torch.tensor(mb_rows)
             logprobs[index, :width] = out.logprobs.float().cpu()
             if out.values is not None:
                 values[index, :width] = out.values.float().cpu()
@@ -217,7 +218,7 @@ class TrainEngine:
             # no backward (every row skipped) gave them plain gradients, which clip_grad_norm_
             # refused to mix with the layers' DTensors, and the optimizer never saw them.
             self.model.reshard()
-        return TensorDict({"logprobs": logprobs, "values": values}, batch_size=[rows])
+        return TensorDict({"logprobs": logprobs, "values": values}, batch_size=batch.batch_size)
 
     def memory_gb(self) -> dict[str, float]:
         """This rank's training state in GB: weights, gradients of trained ones, optimizer."""
@@ -304,7 +305,9 @@ class TrainEngine:
             if critic is not None and hasattr(algorithm, "critic_loss"):
                 for key, value in critic._step(mini, algorithm.critic_loss).items():
                     stats[f"critic/{key}"].append(value)
-        _trim_heap()
+        # free heap pages back to the OS: without it the GSM8K run's resident memory grew
+        # 3.2 -> 4.4 GB over 24 steps (3.7 GB with it)
+        _glibc("malloc_trim", 0)
         return {k: sum(vs) / len(vs) for k, vs in stats.items()}
 
     def _step(self, mini: TensorDict, loss_fn, *, entropy: EntropyMode = "metric",
@@ -368,11 +371,10 @@ class TrainEngine:
             tokens += int(mb["attention_mask"].sum())
         # (summed units, constant units) seen on any rank, so that every rank takes the same
         # decision below; a rank with only dummy passes has none
-        kinds = [float(any(SUMMED_UNITS[u] for u in units)),
-                 float(any(not SUMMED_UNITS[u] for u in units))]
+        kinds = {SUMMED_UNITS[u] for u in units}
         totals = StepTotals(loss_sum=loss_sum, normalizer=summed, micro_batches=count,
                             skipped_rows=idle.batch_size[0], tokens=tokens).summed_over_ranks()
-        flags = torch.tensor([peak, *kinds], dtype=torch.float64)
+        flags = torch.tensor([peak, True in kinds, False in kinds], dtype=torch.float64)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         if flags[1] > 0 and flags[2] > 0:
             raise ValueError("the loss returned both summed (tokens, sequences) and constant "
@@ -392,8 +394,7 @@ class TrainEngine:
                 p.grad.mul_(scale)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
                                                    self.config.optim.max_grad_norm)
-        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor")
-                          else grad_norm)
+        grad_norm = float(_full(grad_norm))
         loss = totals.loss_sum / total_norm if total_norm > 0 else 0.0
         skipped = not (math.isfinite(grad_norm) and math.isfinite(loss))
         if skipped:
@@ -419,14 +420,11 @@ class TrainEngine:
                "train/micro_batches": float(totals.micro_batches),
                "train/mb_fill": totals.tokens / max(totals.micro_batches, 1)
                / self.config.max_tokens_per_mb}
-        for key, value in sums.items():
-            out[key] = value / max(count, 1)
-        return out
+        return out | {key: value / max(count, 1) for key, value in sums.items()}
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Unsharded gradients of the last step (every rank must call; all get them)."""
-        return {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
-                .detach().cpu().clone()
+        return {name: _full(p.grad).detach().cpu().clone()
                 for name, p in self.model.named_parameters() if p.grad is not None}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -436,8 +434,7 @@ class TrainEngine:
 
     def _unsharded_state(self, adapter_only: bool = False) -> dict[str, torch.Tensor]:
         # unwrapped on CPU, these are the live weights: for consumers that copy them at once
-        return {name: (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu()
-                for name, t in self.model.state_dict().items()
+        return {name: _full(t).detach().cpu() for name, t in self.model.state_dict().items()
                 if not adapter_only or is_adapter(name)}
 
     # -- weight sync --------------------------------------------------------------------
@@ -448,8 +445,6 @@ class TrainEngine:
         calls. Sent over `group`, as a `folder`, or in memory; with LoRA only the adapter. An
         in-process engine may keep the live tensors (`WeightUpdate.live`), paused by each step
         until the next `sync_weights`: call it after every `train`. Returns timings and bytes."""
-        import time
-
         start = time.perf_counter()
         if self.adapter is not None and group is not None:
             raise ValueError("LoRA adapters reach SGLang servers as a folder "
@@ -494,8 +489,8 @@ class TrainEngine:
 
     def _plan(self, batch: TensorDict) -> list[list[int]]:
         """This rank's micro-batches, as many on every rank (empty: dummy passes) for FSDP."""
-        lengths = batch["attention_mask"].sum(-1).tolist() if batch.batch_size[0] else []
-        bins = micro_batches(lengths, self.config.max_tokens_per_mb) if lengths else []
+        lengths = batch["attention_mask"].sum(-1).tolist()
+        bins = micro_batches(lengths, self.config.max_tokens_per_mb)
         count = torch.tensor([len(bins)])
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
         bins = split_to_count(bins, lengths, int(count))
@@ -510,30 +505,23 @@ class TrainEngine:
                 (out.float().sum() * 0.0).backward()
 
 
+def _glibc(function: str, *args: int) -> None:
+    """Call glibc's allocator `function`; another C library keeps its own policy."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        getattr(ctypes.CDLL("libc.so.6"), function)(*args)
+
+
 def _return_freed_memory() -> None:
     """Give freed blocks of 1 MiB+ back to the OS at once: glibc's growing mmap threshold would
     otherwise keep a step's freed activations resident (benchmarks/train_step.py)."""
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6").mallopt(-3, 2**20)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):  # not glibc: its own policy
-        pass
+    _glibc("mallopt", -3, 2**20)  # M_MMAP_THRESHOLD
 
 
-def _trim_heap() -> None:
-    """Return free glibc heap pages to the OS after the update: without it the GSM8K run's
-    resident memory grew 3.2 -> 4.4 GB over 24 steps (3.7 GB with it)."""
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
-
-
-def _shift(t: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.pad(t, (1, 0))
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's whole tensor (gathered from every rank); a plain tensor itself."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def _trim(mb: TensorDict) -> TensorDict:
