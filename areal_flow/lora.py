@@ -7,6 +7,7 @@ loads them as a PEFT folder). Base weights never move after start."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -51,14 +52,14 @@ def add_adapters(model: torch.nn.Module, config: Mapping[str, Any]) -> dict[str,
     except ImportError:
         raise ImportError("LoRA needs peft: pip install 'areal-flow[lora]'") from None
 
-    peft.inject_adapter_in_model(peft.LoraConfig(**_lora_fields(config)), model,
-                                 adapter_name=ADAPTER)
+    fields = _lora_fields(config)
+    peft.inject_adapter_in_model(peft.LoraConfig(**fields), model, adapter_name=ADAPTER)
     resolved = model.peft_config[ADAPTER]
     targets = sorted({name.rsplit(".", 1)[-1] for name in resolved.target_modules})
     if not targets:
         raise ValueError(f"LoRA 'target_modules' {config['target_modules']!r} match no module "
                          f"of {type(model).__name__}")
-    return {**_lora_fields(config), "target_modules": targets, "peft_type": "LORA"}
+    return {**fields, "target_modules": targets, "peft_type": "LORA"}
 
 
 def same_shape(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
@@ -95,13 +96,9 @@ def load_adapter(folder: str | Path) -> tuple[dict[str, Any], dict[str, torch.Te
         if not (folder / name).is_file():
             raise ValueError(f"{folder} is not a PEFT adapter folder: it has no {name}")
     config = json.loads((folder / "adapter_config.json").read_text())
-    state = {}
-    for name, tensor in load_file(str(folder / "adapter_model.safetensors")).items():
-        name = name.removeprefix(_SAVED_PREFIX)
-        for part in ("lora_A", "lora_B"):
-            name = name.replace(f".{part}.weight", f".{part}.{ADAPTER}.weight")
-        state[name] = tensor
-    return config, state
+    tensors = load_file(str(folder / "adapter_model.safetensors"))
+    return config, {re.sub(r"\.(lora_[AB])\.weight", rf".\1.{ADAPTER}.weight",
+                           name.removeprefix(_SAVED_PREFIX)): t for name, t in tensors.items()}
 
 
 def merged(state: Mapping[str, torch.Tensor], config: Mapping[str, Any]) -> dict[str, torch.Tensor]:

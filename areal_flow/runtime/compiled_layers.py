@@ -44,25 +44,21 @@ def wanted(setting: str, device: torch.device, option: str = "train.compile") ->
     return cpu_compiler() is not None
 
 
-def compile_pointwise_parts(backbone: torch.nn.Module) -> list[str]:
+def compile_pointwise_parts(backbone: torch.nn.Module) -> None:
     """Compile in place (dynamic shapes) each decoder layer's children but attention, and the
-    final norm; returns their names. `backbone`'s `_no_split_modules` name its decoder layers."""
+    final norm. `backbone`'s `_no_split_modules` name its decoder layers."""
     import torch._functorch.config
 
     # process-wide, read as each graph compiles (at its first call); nothing else compiles here
     torch._functorch.config.activation_memory_budget = ACTIVATION_BUDGET
     layer_types = set(backbone._no_split_modules or ())
-    compiled = []
-    for name, module in backbone.named_modules():
+    for module in backbone.modules():
         if type(module).__name__ in layer_types:
-            for child_name, child in module.named_children():
+            for child in module.children():
                 # by class: a child's name is no guide (`post_attention_layernorm` is a norm)
                 if not type(child).__name__.endswith("Attention"):
                     child.compile(dynamic=True)
-                    compiled.append(f"{name}.{child_name}")
     decoder = backbone.get_decoder() if hasattr(backbone, "get_decoder") else backbone
     norm = getattr(decoder, "norm", None)
     if isinstance(norm, torch.nn.Module):
         norm.compile(dynamic=True)
-        compiled.append("norm")
-    return compiled

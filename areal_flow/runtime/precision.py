@@ -146,9 +146,8 @@ def _seconds(shape: tuple[int, int, int, int], device: torch.device, budget: flo
 
     best = {name: timed(name) for name in dtypes}  # a warm-up, kept only if it is that slow
     racing = [name for name in dtypes if best[name] < budget]
-    repeat = {}
+    repeat = dict.fromkeys(racing, 1)
     for name in racing:  # passes per timing: doubled until a timing lasts PASS_SECONDS
-        repeat[name] = 1
         while repeat[name] < 4096 and timed(name, repeat[name]) * repeat[name] < PASS_SECONDS:
             repeat[name] *= 2
     best.update({name: float("inf") for name in racing})
