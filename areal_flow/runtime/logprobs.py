@@ -50,8 +50,7 @@ class LossPositions:
 
     def scatter(self, values: torch.Tensor, shape: torch.Size) -> torch.Tensor:
         """[rows, length]: `values` at these positions, 0 elsewhere (gradients flow through)."""
-        zeros = torch.zeros(shape, dtype=values.dtype, device=values.device)
-        return zeros.index_put((self.rows, self.cols), values)
+        return values.new_zeros(shape).index_put((self.rows, self.cols), values)
 
 
 def token_stats(logits: torch.Tensor, temperature: torch.Tensor, targets: torch.Tensor,
