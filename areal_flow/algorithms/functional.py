@@ -240,72 +240,54 @@ def rollout_mismatch(logp: Tensor, mb: MicroBatch, config) -> tuple[Tensor, Tens
     return masked(train, known), known
 
 
-def _outside(log_ratio: Tensor, known: Tensor, band: tuple[float, float]) -> Tensor:
-    return known & ((log_ratio < math.log(band[0])) | (log_ratio > math.log(band[1])))
-
-
-def drop_nothing(log_ratio: Tensor, known: Tensor, band: tuple[float, float]) -> Tensor:
-    return torch.zeros_like(known)
-
-
 def drop_tokens(log_ratio: Tensor, known: Tensor, band: tuple[float, float]) -> Tensor:
     """The known tokens whose r = exp(`log_ratio`) is outside `band` = [low, high]."""
-    return _outside(log_ratio, known, band)
+    return known & ((log_ratio < math.log(band[0])) | (log_ratio > math.log(band[1])))
 
 
 def drop_sequences(log_ratio: Tensor, known: Tensor, band: tuple[float, float]) -> Tensor:
     """Every token of a row one of whose known tokens has r outside `band`."""
-    return _outside(log_ratio, known, band).any(-1, keepdim=True).expand_as(known)
+    return drop_tokens(log_ratio, known, band).any(-1, keepdim=True).expand_as(known)
 
 
 def drop_geometric(log_ratio: Tensor, known: Tensor, band: tuple[float, float]) -> Tensor:
     """Every token of a row whose geometric-mean r over known tokens is outside `band`."""
     count = known.sum(-1, keepdim=True)
     mean = masked(log_ratio, known).sum(-1, keepdim=True) / count.clamp(min=1)
-    return _outside(mean, count > 0, band).expand_as(known)
-
-
-def decoupled_weight(prox: Tensor, behav: Tensor, train: Tensor, known: Tensor,
-                     config) -> tuple[Tensor, Tensor, Tensor]:
-    """(log π_prox, w, capped) of decoupled PPO: w = min(π_prox/π_behav, importance_weight_cap)."""
-    return prox, *importance_weight(prox, behav, config.importance_weight_cap)
-
-
-def truncated_weight(prox: Tensor, behav: Tensor, train: Tensor, known: Tensor,
-                     config) -> tuple[Tensor, Tensor, Tensor]:
-    """TIS: on known tokens π_prox := π_train, w = min(π_train/π_rollout, mismatch_cap)."""
-    prox = torch.where(known, train, prox)
-    _, weight, capped = decoupled_weight(prox, behav, train, known, config)
-    tis, tis_capped = importance_weight(prox, behav, config.mismatch_cap)
-    return prox, torch.where(known, tis, weight), torch.where(known, tis_capped, capped)
+    return drop_tokens(mean, count > 0, band).expand_as(known)
 
 
 MISMATCH_CORRECTIONS = {
-    "auto": (decoupled_weight, drop_nothing),  # unresolved (no recipe chose): none's
-    "none": (decoupled_weight, drop_nothing),
-    "tis": (truncated_weight, drop_nothing),
-    "token_mask": (decoupled_weight, drop_tokens),
-    "sequence_mask": (decoupled_weight, drop_sequences),
-    "geometric_mask": (decoupled_weight, drop_geometric),
+    "auto": (False, None),  # unresolved (no recipe chose): none's
+    "none": (False, None),
+    "tis": (True, None),
+    "token_mask": (False, drop_tokens),
+    "sequence_mask": (False, drop_sequences),
+    "geometric_mask": (False, drop_geometric),
 }
-"""(weight, drop) of each `PolicyLossConfig.mismatch_correction`; drop zeroes tokens' loss."""
+"""(truncated, drop) of each `PolicyLossConfig.mismatch_correction`: TIS weighs known tokens by
+min(π_train/π_rollout, mismatch_cap); drop (or None) zeroes tokens' loss."""
 
 
 def behavior_weight(logp: Tensor, mb: MicroBatch,
                     config) -> tuple[Tensor, Tensor, Tensor, Tensor, dict]:
     """(log π_behav, log π_prox, w, capped, stats): the detached behavior weight of surrogate and
-    KL term under `config.mismatch_correction`, and `mismatch/...` stats; `logp` is masked."""
+    KL term under `config.mismatch_correction`, and `mismatch/...` stats; `logp` is masked.
+    Decoupled PPO's w = min(π_prox/π_behav, importance_weight_cap)."""
     mask = mb.loss_mask
-    weigh, drop = MISMATCH_CORRECTIONS[config.mismatch_correction]
+    truncated, drop = MISMATCH_CORRECTIONS[config.mismatch_correction]
     behav, prox = behavior_and_proximal(logp, mb, config)
     train, known = rollout_mismatch(logp, mb, config)
-    if drop is not drop_nothing or weigh is not decoupled_weight:
-        if mb.versions is None or mb.policy_version is None:
-            raise ValueError(f"mismatch_correction {config.mismatch_correction!r} needs the "
-                             "rows' 'versions' and 'policy_version' (set by the scheduler)")
+    if (truncated or drop) and (mb.versions is None or mb.policy_version is None):
+        raise ValueError(f"mismatch_correction {config.mismatch_correction!r} needs the "
+                         "rows' 'versions' and 'policy_version' (set by the scheduler)")
     log_ratio = train - masked(mb.logprobs, known)  # 0 off `known`
-    prox, weight, capped = weigh(prox, behav, train, known, config)
-    dropped = drop(log_ratio, known, config.mismatch_band)
+    weight, capped = importance_weight(prox, behav, config.importance_weight_cap)
+    if truncated:  # TIS: on known tokens π_prox := π_train, w = min(π_train/π_rollout, cap)
+        prox = torch.where(known, train, prox)
+        tis, tis_capped = importance_weight(prox, behav, config.mismatch_cap)
+        weight, capped = torch.where(known, tis, weight), torch.where(known, tis_capped, capped)
+    dropped = drop(log_ratio, known, config.mismatch_band) if drop else torch.zeros_like(known)
     weight = torch.where(dropped, 0.0, weight).detach()
     with torch.no_grad():
         n, m = mask.sum().clamp(min=1), known.sum()
