@@ -4,6 +4,7 @@ order: entry points of installed distributions (loaded when asked for), in-proce
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import importlib
 import threading
@@ -138,17 +139,11 @@ class Registry:
 
     def plugins(self) -> list[PluginInfo]:
         """Every announced or in-process registered name, without importing anything."""
-        rows = [
-            PluginInfo(self.kind, name, _distribution(ep), ep.value)
-            for name, eps in self.entry_points().items()
-            for ep in eps
-        ]
         announced = self.entry_points()
-        rows += [
-            PluginInfo(self.kind, name, "in-process", _where(_target(entry)))
-            for name, entry in self._local.items()
-            if name not in announced
-        ]
+        rows = [PluginInfo(self.kind, name, _distribution(ep), ep.value)
+                for name, eps in announced.items() for ep in eps]
+        rows += [PluginInfo(self.kind, name, "in-process", _where(_target(entry)))
+                 for name, entry in self._local.items() if name not in announced]
         return sorted(rows, key=lambda r: (r.name, r.source))
 
     # -- helpers ------------------------------------------------------------------------
@@ -234,15 +229,13 @@ def show_options(reg: Registry, name: str) -> None:
     if config is None:
         print(f"{reg.kind} {name} takes no options")
         return
-    how = "--workflow-config '{\"field\": value, ...}' (or a YAML file)" \
-        if reg is workflows else f"--algorithm {name} --algorithm.<field> value"
+    how = f"--algorithm {name} --algorithm.<field> value"
     if reg is workflows:
+        how = "--workflow-config '{\"field\": value, ...}' (or a YAML file)"
         print("In --workflow-config each option below is a key, with underscores "
               "(--question-field: question_field).")
-    try:
+    with contextlib.suppress(SystemExit):  # tyro exits after printing the help
         tyro.cli(config, args=["--help"], prog=f"{reg.kind} {name}: {how}")
-    except SystemExit:  # tyro exits after printing the help
-        pass
 
 
 commands = Registry("command", "areal_flow.commands")

@@ -39,6 +39,13 @@ def _tuple_of_ints(value: Sequence[int]) -> tuple[int, ...]:
     return tuple(int(x) for x in value)
 
 
+def _one_per_token(instance: Any, attribute: attrs.Attribute, versions: tuple[int, ...]) -> None:
+    n, logprobs = len(instance.token_ids), instance.logprobs
+    if len(logprobs) != n or len(versions) != n:
+        raise ValueError(f"a {type(instance).__name__} needs one logprob and one version per "
+                         f"token: {n} tokens, {len(logprobs)} logprobs, {len(versions)} versions")
+
+
 # ---------------------------------------------------------------------------- generation
 
 
@@ -111,20 +118,12 @@ class Completion:
     token_ids: tuple[int, ...] = attrs.field(converter=_tuple_of_ints)
     logprobs: tuple[float, ...] = attrs.field(converter=lambda xs: tuple(float(x) for x in xs))
     """``log_softmax(logits / T)``, T = `temperature`, over the full vocab, before top-k/p."""
-    versions: tuple[int, ...] = attrs.field(converter=_tuple_of_ints)
+    versions: tuple[int, ...] = attrs.field(converter=_tuple_of_ints, validator=_one_per_token)
     """Weight version that produced each token (an interrupted request mixes versions)."""
     finish_reason: FinishReason = attrs.field(validator=v.in_(("stop", "length", "abort")))
     temperature: float = attrs.field(default=1.0, validator=v.gt(0.0))
     """The T of `logprobs` (1.0 for greedy requests)."""
     text: str | None = None
-
-    def __attrs_post_init__(self) -> None:
-        n = len(self.token_ids)
-        if len(self.logprobs) != n or len(self.versions) != n:
-            raise ValueError(
-                f"a Completion needs one logprob and one version per token: {n} tokens, "
-                f"{len(self.logprobs)} logprobs, {len(self.versions)} versions"
-            )
 
 
 @attrs.frozen(kw_only=True)
@@ -181,28 +180,23 @@ class GenerationPool(Protocol):
     def from_config(cls, config: Any, *, model: str, seed: int = 0,
                     run_dir: Any = None, lora: Any = None) -> GenerationPool:
         """The pool an `InferenceConfig` describes; `lora`: the trainer's `LoraConfig`, if any."""
-        ...
 
     @property
     def version(self) -> int:
         """The weight version new tokens are generated with."""
-        ...
 
     async def generate(self, request: GenerationRequest) -> Completion: ...
 
     def pause(self) -> None:
         """Stop generating; running requests are interrupted and wait for `resume`."""
-        ...
 
     def resume(self) -> None: ...
 
     def update_weights(self, update: WeightUpdate) -> bool | None:
         """Load weights, set `version`; True if it kept a `live` update's tensors (no copy)."""
-        ...
 
     def stats(self) -> dict[str, float]:
         """Counters since the last call (the recipe logs and resets them every step)."""
-        ...
 
     def close(self) -> None: ...
 
@@ -217,12 +211,9 @@ class Segment:
     token_ids: tuple[int, ...] = attrs.field(converter=_tuple_of_ints)
     trainable: bool
     logprobs: tuple[float, ...] = attrs.field(converter=lambda xs: tuple(float(x) for x in xs))
-    versions: tuple[int, ...] = attrs.field(converter=_tuple_of_ints)
+    versions: tuple[int, ...] = attrs.field(converter=_tuple_of_ints, validator=_one_per_token)
 
     def __attrs_post_init__(self) -> None:
-        n = len(self.token_ids)
-        if len(self.logprobs) != n or len(self.versions) != n:
-            raise ValueError("a Segment needs one logprob and one version per token")
         if not self.trainable and any(x != -1 for x in self.versions):
             raise ValueError("prompt and environment tokens carry version -1")
 
@@ -423,11 +414,9 @@ class Algorithm(Protocol):
 
     def advantages(self, batch: TensorDict) -> TensorDict:
         """Once per batch, without gradients, after the role forwards filled their keys."""
-        ...
 
     def loss(self, out: ModelOutput, mb: MicroBatch) -> LossOutput:
         """Once per micro-batch."""
-        ...
 
 
 @attrs.frozen(kw_only=True)
@@ -463,17 +452,10 @@ class DatasetSource(Protocol):
     def train_eval_rows(self, dataset: str, eval_size: int
                         ) -> tuple[list[dict], list[dict], str]:
         """The train rows, `eval_size` held-out rows and a line saying what they are."""
-        ...
 
     def task(self, dataset: str) -> str:
         """The task's name for the run folder (``chain_sum`` of ``reasoning_gym:chain_sum?``)."""
-        ...
 
-
-
-def _positive_timeout(instance: Any, attribute: attrs.Attribute, value: float) -> None:
-    if not value > 0:
-        raise ValueError(f"'{attribute.name}' must be > 0 seconds: {value!r}")
 
 
 @attrs.frozen(kw_only=True)
@@ -482,7 +464,7 @@ class RewardSpec:
 
     name: str
     fn: Callable[..., Any]
-    timeout: float = attrs.field(default=10.0, validator=_positive_timeout)
+    timeout: float = attrs.field(default=10.0, validator=v.gt(0))
     """Wall-clock seconds before a call is killed and scored `default`."""
     default: float = 0.0
     """Score given when the reward raises, crashes or times out."""
@@ -503,9 +485,7 @@ class RewardSpec:
         if not lo <= self.default <= hi:
             raise ValueError(f"'default' must lie within range {self.range}: {self.default}")
 
-    @property
-    def target(self) -> Callable[..., Any]:
-        return self.fn
+    target = property(lambda self: self.fn)
 
 
 @attrs.frozen(kw_only=True)
@@ -517,9 +497,7 @@ class WorkflowSpec:
     config: type | None = None
     """attrs class of the workflow's options (given with ``--workflow-config``)."""
 
-    @property
-    def target(self) -> Callable[..., Any]:
-        return self.fn
+    target = property(lambda self: self.fn)
 
 
 @attrs.frozen(kw_only=True)
@@ -530,6 +508,4 @@ class AlgorithmSpec:
     cls: type
     config: type | None = None
 
-    @property
-    def target(self) -> type:
-        return self.cls
+    target = property(lambda self: self.cls)
