@@ -205,8 +205,7 @@ def load(cls: type[T], path: str | Path) -> T:
     """Read a YAML or JSON file into `cls` (JSON is YAML, so one parser reads both)."""
     import yaml
 
-    text = Path(path).read_text()
-    data = yaml.safe_load(text) or {}
+    data = yaml.safe_load(Path(path).read_text()) or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of fields, got {type(data).__name__}")
     return structure(cls, data)

@@ -6,7 +6,6 @@ Tensors are padded [rows, tokens], a bool `mask` marking the positions that coun
 from __future__ import annotations
 
 import math
-from typing import Literal
 
 import torch
 
@@ -82,11 +81,6 @@ def masked(x: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask, x, 0)
 
 
-KLEstimator = Literal["k1", "k2", "k3"]
-"""Per-token value estimators of KL(π‖π_ref) on y ~ π (Schulman): E[k1] = E[k3] = KL, k2 ≈ KL.
-For the reward penalty (`kl_in_reward`): their gradients are not ∇KL; the loss uses `kl_loss`."""
-
-
 def kl_k1(logp: Tensor, ref_logp: Tensor) -> Tensor:
     """k1 = log π − log π_ref (unbiased, high variance, can be negative)."""
     return logp - ref_logp
@@ -104,6 +98,8 @@ def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
 
 
 KL_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
+"""Per-token value estimators of KL(π‖π_ref) on y ~ π (Schulman): E[k1] = E[k3] = KL, k2 ≈ KL.
+For the reward penalty (`kl_in_reward`): their gradients are not ∇KL; the loss uses `kl_loss`."""
 
 
 NO_ACTOR = ("the loss config has recompute_proximal=True, but the rows carry no prox_logprobs: "

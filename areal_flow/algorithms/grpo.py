@@ -54,8 +54,7 @@ class GRPO:
     min_group_size = 2  # a row is scored against the rest of its group: one alone never learns
 
     def __init__(self, config: GRPOConfig | None = None):
-        self.config = config or GRPOConfig()
-        c = self.config
+        self.config = c = config or GRPOConfig()
         self.roles = F.roles(c.loss, *(("ref",) if c.kl_coef > 0 else ()))
         self.needs_entropy_grad = c.entropy_coef > 0 or c.entropy_target is not None
         self.skips_zero_advantage_rows = (F.actor_loss_skips_zero_advantage(c)
