@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, get_args
 
 import attrs
 import cattrs
@@ -13,6 +13,8 @@ from attrs import validators as v
 
 
 T = TypeVar("T")
+
+MismatchCorrection = Literal["auto", "none", "tis", "token_mask", "sequence_mask", "geometric_mask"]
 
 
 class ConfigError(ValueError):
@@ -80,11 +82,8 @@ class PolicyLossConfig:
     """Average the loss over all tokens of the batch, or per sequence first."""
     recompute_proximal: bool = True
     """Recompute pi_prox by a forward pass; False approximates it (F.interpolate_proximal)."""
-    mismatch_correction: Literal[
-        "auto", "none", "tis", "token_mask", "sequence_mask", "geometric_mask"] = attrs.field(
-        default="auto",
-        validator=v.in_(("auto", "none", "tis", "token_mask", "sequence_mask",
-                         "geometric_mask")))
+    mismatch_correction: MismatchCorrection = attrs.field(
+        default="auto", validator=v.in_(get_args(MismatchCorrection)))
     """Correct the engine's logprobs differing from the trainer's: tis (weight min(pi_train /
     pi_rollout, mismatch_cap)), token_/sequence_/geometric_mask (zero loss outside mismatch_band),
     none, or auto (tis when rollouts are in lower precision than training; docs/algorithms.md)."""
