@@ -457,7 +457,6 @@ class DatasetSource(Protocol):
         """The task's name for the run folder (``chain_sum`` of ``reasoning_gym:chain_sum?``)."""
 
 
-
 @attrs.frozen(kw_only=True)
 class RewardSpec:
     """A registered reward: ``fn(completion, **kwargs) -> float`` (sync or async)."""
