@@ -13,7 +13,7 @@ import asyncio
 import logging
 import uuid
 from collections.abc import Coroutine
-from typing import Any
+from typing import Any, get_args
 
 import attrs
 import httpx
@@ -23,8 +23,6 @@ from areal_flow.inference.sglang_weights import LORA_NAME
 from areal_flow.types import Completion, FinishReason, GenerationRequest, derived_seed
 
 log = logging.getLogger(__name__)
-
-_FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
 
@@ -147,8 +145,8 @@ class Routing:
                 active.posted = False
 
             finish = self._extend(active, reply, versions)
-            reason = _FINISH_REASONS.get(finish.get("type"))
-            if reason is None:
+            reason = finish.get("type")
+            if reason not in get_args(FinishReason):
                 raise GenerationError(f"unknown finish_reason from {server.address}: {finish}")
             if reason != "abort":
                 return self._completion(active, reason)
@@ -170,23 +168,19 @@ class Routing:
     async def _route(self, active: Active) -> Server:
         """The server for the next attempt: the previous one, else the episode's, else the least
         loaded; after a 5xx, any other server before the one that gave it."""
-        rotation = self._rotation()
-        if not rotation:
-            try:
-                async with asyncio.timeout(self._no_server_timeout):
-                    while not (rotation := self._rotation()):
-                        self._available.clear()
-                        await self._available.wait()
-            except TimeoutError:
-                raise GenerationError(
-                    f"no SGLang server in rotation for {self._no_server_timeout} s; known: "
-                    f"{sorted(self._servers)}") from None
+        try:
+            async with asyncio.timeout(self._no_server_timeout):
+                while not (rotation := self._rotation()):
+                    self._available.clear()
+                    await self._available.wait()
+        except TimeoutError:
+            raise GenerationError(f"no SGLang server in rotation for {self._no_server_timeout} s; "
+                                  f"known: {sorted(self._servers)}") from None
         episode = active.request.episode_id
-        sticky = self._sticky.get(episode) if episode is not None else None
         others = [s for s in rotation if s is not active.failed_on] or rotation
-        if active.server is not None and active.server in others:
+        if active.server in others:
             chosen = active.server
-        elif sticky is not None and sticky in others:
+        elif (sticky := self._sticky.get(episode)) in others:  # None is never a key
             chosen = sticky
         else:
             chosen = min(others, key=lambda s: (s.inflight, s.routed))
@@ -265,26 +259,20 @@ class Routing:
         return meta.get("finish_reason") or {}
 
     def _completion(self, active: Active, reason: FinishReason) -> Completion:
+        text = None if None in active.texts else "".join(active.texts)
         if self._tokenizer is not None:
             text = self._tokenizer.decode(active.tokens, skip_special_tokens=True)
-        elif None in active.texts:
-            text = None
-        else:
-            text = "".join(active.texts)
         self._counts["requests"] += 1
         return Completion(token_ids=active.tokens, logprobs=active.logprobs,
                           versions=active.versions, finish_reason=reason,
                           temperature=active.request.sampling.logprob_temperature, text=text)
 
     async def _abort(self, rid: str | None) -> None:
-        targets = list(self._active.values()) if rid is None else [
-            a for a in [self._active.get(rid)] if a is not None]
-        calls = []
+        targets = [a for r, a in self._active.items() if rid is None or r == rid]
         for active in targets:
             active.cancelled = True
-            if active.posted:
-                calls.append(self._quietly(self._post(active.server, "/abort_request",
-                                                      {"rid": active.wire_rid})))
-        await asyncio.gather(*calls)
+        await asyncio.gather(*(self._quietly(self._post(a.server, "/abort_request",
+                                                        {"rid": a.wire_rid}))
+                               for a in targets if a.posted))
         async with self._changed:
             self._changed.notify_all()
