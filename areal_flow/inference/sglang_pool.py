@@ -323,9 +323,9 @@ class SGLangPool(Routing, Weights, Servers):
         for address in self._addresses:
             self._servers[address] = Server(address)
         await self._refresh(force=True)
-        self._spawn(self._refresh_periodically())
-        if self._leases is not None:
-            self._spawn(self._renew_periodically())
+        self._spawn(self._every(self._refresh_interval, self._refresh, "refreshing"))
+        if self._leases is not None:  # separately: a catch-up may hold the refresh
+            self._spawn(self._every(self._leases.ttl / 3, self._renew_leases, "renewing leases on"))
 
     async def _shutdown(self) -> None:
         for task in list(self._tasks):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 
 import attrs
 import httpx
@@ -122,7 +122,6 @@ class Servers:
                                                       timeout=timeout or self._control_timeout)
         except httpx.TransportError as exc:
             raise ServerDown(f"{server.address}{path}: {exc!r}") from exc
-        raise AssertionError("unreachable")
 
     async def _checked(self, server: Server, path: str, body: dict, **kwargs) -> dict:
         """A control call that must succeed on `server`."""
@@ -181,24 +180,15 @@ class Servers:
         except Exception as exc:  # best effort: the request ends with its connection anyway
             log.debug("ignored: %r", exc)
 
-    async def _refresh_periodically(self) -> None:
+    async def _every(self, seconds: float, fn: Callable[[], Awaitable], doing: str) -> None:
         while True:
-            await asyncio.sleep(self._refresh_interval)
+            await asyncio.sleep(seconds)
             try:
-                await self._refresh()
+                await fn()
             except Exception:
-                log.exception("refreshing the SGLang servers failed")
+                log.exception("%s the SGLang servers failed", doing)
 
-    async def _renew_periodically(self) -> None:
-        """Renew leases every third of their time, separately: a catch-up may hold the refresh."""
-        while True:
-            await asyncio.sleep(self._leases.ttl / 3)
-            try:
-                self._renew_leases()
-            except Exception:
-                log.exception("renewing the leases on the SGLang servers failed")
-
-    def _renew_leases(self) -> None:
+    async def _renew_leases(self) -> None:
         """A server whose lease another run took over leaves rotation before we write into it."""
         for address in self._leases.renew():
             server = self._servers.get(address)
@@ -288,9 +278,9 @@ class Servers:
             try:
                 self._leases.acquire(server.address)
             except ServerLeased as exc:
-                if self._refused.get(server.address) != str(exc).split(" (for")[0]:
+                if self._refused.get(server.address) != (reason := str(exc).split(" (for")[0]):
                     log.warning("%s", exc)
-                self._refused[server.address] = str(exc).split(" (for")[0]
+                    self._refused[server.address] = reason
                 return
             self._refused.pop(server.address, None)
         try:
