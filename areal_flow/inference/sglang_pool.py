@@ -222,7 +222,7 @@ class SGLangPool(Routing, Weights, Servers):
                 "the SGLang pool takes weights as a folder ('path') or over a weight-update group "
                 "('dist_meta'); in-memory state dicts are for the local engine"
             )
-        self._call(self._update_weights(update))
+        self._call(self._locked(lambda: self._update_weights(update)))
 
     def stats(self) -> dict[str, float]:
         """Counts since the last call, and the servers now."""
@@ -283,7 +283,7 @@ class SGLangPool(Routing, Weights, Servers):
         self._call(self._locked(lambda: self._end_session(group_name)))
 
     def destroy_weight_group(self, group_name: str = "weight_update_group") -> None:
-        self._call(self._destroy_group(group_name))
+        self._call(self._locked(lambda: self._destroy_group(group_name)))
 
     # -- plumbing ---------------------------------------------------------------------------
 

@@ -39,44 +39,40 @@ class Weights:
             self._changed.notify_all()
 
     async def _update_weights(self, update: WeightUpdate) -> None:
-        async with self._control:
-            was_paused = self._paused
-            await self._pause_locked()
-            try:
-                if update.lora is not None:
-                    await self._load_adapter(update)
-                elif update.path is not None:
-                    body = {"model_path": update.path, "weight_version": str(update.version),
-                            "abort_all_requests": True, "flush_cache": True}
-                    done = await self._on_healthy("/update_weights_from_disk", body, strict=True)
-                    if not done:
-                        raise WeightUpdateError("no SGLang server was reachable to load "
-                                                f"{update.path}")
-                    self._caught_up(done)
-                    self._disk = (update.path, update.version)
-                    self._over_group = False
-                else:
-                    meta = update.dist_meta
-                    members = self._members(meta.group_name)
-                    body = {"names": list(meta.names), "dtypes": list(meta.dtypes),
-                            "shapes": [list(s) for s in meta.shapes],
-                            "group_name": meta.group_name, "abort_all_requests": True,
-                            "flush_cache": True}
-                    # Only the last bucket names the version: a stale member keeps its own
-                    # until then, and the server checks that the buckets completed the model.
-                    last = update.version != self._version
-                    if last:
-                        body["weight_version"] = str(update.version)
-                    # every member takes part in the broadcast, so one that is gone is an error
-                    await asyncio.gather(*(self._checked(s, "/update_weights_from_distributed",
-                                                         body) for s in members))
-                    if last:  # every member got every bucket of this version
-                        self._caught_up(members, str(update.version))
-                    self._over_group = True
-                self._version = update.version
-            finally:
-                if not was_paused:
-                    await self._resume_locked()
+        was_paused = self._paused
+        await self._pause_locked()
+        try:
+            if update.lora is not None:
+                await self._load_adapter(update)
+            elif update.path is not None:
+                body = {"model_path": update.path, "weight_version": str(update.version),
+                        "abort_all_requests": True, "flush_cache": True}
+                done = await self._on_healthy("/update_weights_from_disk", body, strict=True)
+                if not done:
+                    raise WeightUpdateError(f"no SGLang server was reachable to load {update.path}")
+                self._caught_up(done)
+                self._disk = (update.path, update.version)
+            else:
+                meta = update.dist_meta
+                members = self._members(meta.group_name)
+                body = {"names": list(meta.names), "dtypes": list(meta.dtypes),
+                        "shapes": [list(s) for s in meta.shapes], "group_name": meta.group_name,
+                        "abort_all_requests": True, "flush_cache": True}
+                # Only the last bucket names the version: a stale member keeps its own
+                # until then, and the server checks that the buckets completed the model.
+                last = update.version != self._version
+                if last:
+                    body["weight_version"] = str(update.version)
+                # every member takes part in the broadcast, so one that is gone is an error
+                await asyncio.gather(*(self._checked(s, "/update_weights_from_distributed", body)
+                                       for s in members))
+                if last:  # every member got every bucket of this version
+                    self._caught_up(members, str(update.version))
+            self._over_group = update.dist_meta is not None
+            self._version = update.version
+        finally:
+            if not was_paused:
+                await self._resume_locked()
 
     async def _load_adapter(self, update: WeightUpdate) -> None:
         """A LoRA adapter folder on every healthy server, as `LORA_NAME`."""
@@ -97,8 +93,7 @@ class Weights:
         if not done:
             raise WeightUpdateError(f"no SGLang server was reachable to load {update.path}")
         self._caught_up(done)
-        self._adapter = (update.path, update.version)
-        self._disk, self._over_group = None, False
+        self._adapter, self._disk = (update.path, update.version), None
 
     async def _swap_adapter(self, server: Server, path: str, label: str) -> None:
         """Unload `server`'s adapter, then load `path`: SGLang refuses a second load of a name."""
@@ -111,19 +106,6 @@ class Weights:
         await self._checked(server, "/update_weight_version",
                             {"new_version": label, "abort_all_requests": True})
         server.label = label
-
-    async def _load_base(self, server: Server, info: dict) -> None:
-        """Load `base` on a joining server unless it reports that folder, never updated."""
-        if info.get("model_path") == self._base and server.label == "default":
-            return
-        try:
-            await self._load_paused(server, self._base, self._version)
-        except WeightUpdateError as exc:
-            self._unusable[server.address] = (
-                f"SGLang server {server.address} holds {info.get('model_path')!r} at weight "
-                f"version {server.label}, not this LoRA run's base model {self._base!r}, and "
-                f"could not load it: {exc}")
-            raise WeightUpdateError(self._unusable[server.address]) from exc
 
     async def _load_paused(self, server: Server, path: str, version: int) -> None:
         """``/update_weights_from_disk`` on a server out of rotation, paused meanwhile: it may
@@ -191,22 +173,20 @@ class Weights:
             raise WeightUpdateError(f"the servers changed: {len(members)} answer, but a "
                                     f"group of world size {world_size} was asked for")
         self._groups[group_name] = members
-        bodies = [{"master_address": address, "master_port": port,
-                   "rank_offset": 1 + i * ranks_per_server, "world_size": size,
-                   "group_name": group_name, "backend": backend} for i in range(len(members))]
         try:
-            await asyncio.gather(*(self._checked(s, "/init_weights_update_group", body,
-                                                 retry=False)
-                                   for s, body in zip(members, bodies)))
+            await asyncio.gather(*(self._checked(s, "/init_weights_update_group", {
+                "master_address": address, "master_port": port,
+                "rank_offset": 1 + i * ranks_per_server, "world_size": size,
+                "group_name": group_name, "backend": backend}, retry=False)
+                for i, s in enumerate(members)))
         except BaseException:
             del self._groups[group_name]
             raise
 
     async def _destroy_group(self, group_name: str) -> None:
-        async with self._control:
-            members = self._groups.pop(group_name, [])
-            await asyncio.gather(*(self._checked(s, "/destroy_weights_update_group",
-                                                 {"group_name": group_name}) for s in members))
+        await asyncio.gather(*(self._checked(s, "/destroy_weights_update_group",
+                                             {"group_name": group_name})
+                               for s in self._groups.pop(group_name, [])))
 
     async def _catch_up(self, server: Server, info: dict) -> None:
         """Give a joining server the latest weights, or mark it stale."""
@@ -214,9 +194,18 @@ class Weights:
         server.stale = False
         if server.known and server.label == current:
             return
+        # a LoRA run's base, unless the server reports that folder, never updated
         if self._base is not None and not server.known and self._disk is None \
-                and not self._over_group:
-            await self._load_base(server, info)
+                and not self._over_group \
+                and (info.get("model_path"), server.label) != (self._base, "default"):
+            try:
+                await self._load_paused(server, self._base, self._version)
+            except WeightUpdateError as exc:
+                self._unusable[server.address] = (
+                    f"SGLang server {server.address} holds {info.get('model_path')!r} at weight "
+                    f"version {server.label}, not this LoRA run's base model {self._base!r}, "
+                    f"and could not load it: {exc}")
+                raise WeightUpdateError(self._unusable[server.address]) from exc
         if self._adapter is not None:
             await self._swap_adapter(server, self._adapter[0], str(self._adapter[1]))
         if self._disk is not None and (not server.known or server.label != str(self._disk[1])):
