@@ -31,6 +31,9 @@ log = logging.getLogger(__name__)
 
 __all__ = ["LORA_NAME", "GenerationError", "SGLangPool", "WeightUpdateError"]
 
+_COUNTS = ("requests", "resubmissions", "retries", "dead_servers", "generated_tokens",
+           "servers_joined", "behind_replies", "servers_left")
+
 
 class SGLangPool(Routing, Weights, Servers):
     """`GenerationPool` over the servers at `addresses`, or listed in `addresses_file` (one a
@@ -65,7 +68,7 @@ class SGLangPool(Routing, Weights, Servers):
             raise ValueError(f"'retries' must be >= 0: {retries}")
         if refresh_interval <= 0:
             raise ValueError(f"'refresh_interval' must be > 0 seconds: {refresh_interval}")
-        self._addresses = list(addresses or [])
+        self._servers = {address: Server(address) for address in addresses or []}
         self._file = Path(addresses_file) if addresses_file is not None else None
         self._file_key: tuple | None = None
         self._version = version
@@ -89,7 +92,6 @@ class SGLangPool(Routing, Weights, Servers):
         self._unusable: dict[str, str] = {}
         """Servers that could not load the base model (`base`), with the reason."""
 
-        self._servers: dict[str, Server] = {}
         self._sticky: collections.OrderedDict[str, Server] = collections.OrderedDict()
         self._active: dict[str, Active] = {}
         self._groups: dict[str, list[Server]] = {}
@@ -125,12 +127,8 @@ class SGLangPool(Routing, Weights, Servers):
         (stopped on close) with LoRA enabled for `lora`. Fails, naming them, if none answers."""
         from areal_flow.data.offline import cache_dir
         from areal_flow.launch.lease import Leases, ServerLeased, default_holder
-        from areal_flow.inference.launcher import (
-            SGLangLauncher,
-            lora_args,
-            serve_command,
-            sglang_command,
-        )
+        from areal_flow.inference.launcher import (SGLangLauncher, lora_args, serve_command,
+                                                   sglang_command)
 
         launcher = None
         addresses = list(config.addresses) or None
@@ -177,10 +175,10 @@ class SGLangPool(Routing, Weights, Servers):
             waited += 1.0
             pool.refresh()
         if not any(s["in_rotation"] for s in pool.servers()):
-            refused = list(pool._refused.values())
             pool.close()
-            if refused:
-                raise ServerLeased("; ".join(refused) + " (each server here is in use)")
+            if pool._refused:
+                raise ServerLeased("; ".join(pool._refused.values()) +
+                                   " (each server here is in use)")
             if pool._unusable:
                 raise WeightUpdateError("; ".join(pool._unusable.values()))
             named = addresses or f"the servers listed in {config.addresses_file}"
@@ -255,12 +253,10 @@ class SGLangPool(Routing, Weights, Servers):
         self._call(self._refresh(force=True))
 
     def servers(self) -> list[dict[str, Any]]:
-        def snapshot() -> list[dict[str, Any]]:
-            return [{"address": s.address, "in_rotation": s.in_rotation, "healthy": s.healthy,
-                     "stale": s.stale, "inflight": s.inflight, "routed": s.routed,
-                     "weight_version": s.label}
-                    for s in self._servers.values()]
-        return self._call(self._run(snapshot))
+        return self._call(self._run(lambda: [
+            {"address": s.address, "in_rotation": s.in_rotation, "healthy": s.healthy,
+             "stale": s.stale, "inflight": s.inflight, "routed": s.routed,
+             "weight_version": s.label} for s in self._servers.values()]))
 
     def weight_group_size(self, ranks_per_server: int = 1) -> int:
         """World size of a weight-update group: 1 + `ranks_per_server` * answering servers."""
@@ -288,7 +284,6 @@ class SGLangPool(Routing, Weights, Servers):
     # -- plumbing ---------------------------------------------------------------------------
 
     def _call(self, coro: Coroutine) -> Any:
-        """Run `coro` on the pool's loop and wait for it (from any other thread)."""
         if threading.current_thread() is self._thread:
             coro.close()
             raise RuntimeError("a blocking SGLang pool call from the pool's own thread")
@@ -320,8 +315,6 @@ class SGLangPool(Routing, Weights, Servers):
         self._changed = asyncio.Condition()
         """Notified on resume and on explicit aborts (requests waiting for either)."""
         self._available = asyncio.Event()
-        for address in self._addresses:
-            self._servers[address] = Server(address)
         await self._refresh(force=True)
         self._spawn(self._every(self._refresh_interval, self._refresh, "refreshing"))
         if self._leases is not None:  # separately: a catch-up may hold the refresh
@@ -338,19 +331,10 @@ class SGLangPool(Routing, Weights, Servers):
 
     async def _stats(self) -> dict[str, float]:
         counts, self._counts = self._counts, collections.Counter()
-        return {
-            "requests": counts["requests"],
-            "resubmissions": counts["resubmissions"],
-            "retries": counts["retries"],
-            "dead_servers": counts["dead_servers"],
-            "generated_tokens": counts["generated_tokens"],
-            "servers": sum(s.listed for s in self._servers.values()),
-            "servers_healthy": len(self._rotation()),
-            "servers_stale": sum(s.listed and s.stale for s in self._servers.values()),
-            "servers_joined": counts["servers_joined"],
-            # replies with tokens of older weights than the pool had when it sent the request:
-            # a server that missed an update
-            "behind_replies": counts["behind_replies"],
-            "servers_left": counts["servers_left"],
-            "running": sum(s.inflight for s in self._servers.values()),
-        }
+        # behind_replies: replies with tokens of older weights than the pool had when it sent
+        # the request (a server that missed an update)
+        return {**{key: counts[key] for key in _COUNTS},
+                "servers": sum(s.listed for s in self._servers.values()),
+                "servers_healthy": len(self._rotation()),
+                "servers_stale": sum(s.listed and s.stale for s in self._servers.values()),
+                "running": sum(s.inflight for s in self._servers.values())}
