@@ -137,8 +137,7 @@ class Routing:
                 continue
             except asyncio.CancelledError:
                 if not self._closed:  # closing the connection aborts it too; this is explicit
-                    self._spawn(self._quietly(self._post(server, "/abort_request",
-                                                         {"rid": active.wire_rid})))
+                    self._spawn(self._abort_attempt(server, active.wire_rid))
                 raise
             finally:
                 server.inflight -= 1
@@ -191,6 +190,9 @@ class Routing:
                 self._sticky.popitem(last=False)
         chosen.routed += 1
         return chosen
+
+    async def _abort_attempt(self, server: Server, wire_rid: str) -> None:
+        await self._quietly(self._post(server, "/abort_request", {"rid": wire_rid}))
 
     def _body(self, active: Active) -> dict[str, Any]:
         sp = active.request.sampling
@@ -271,8 +273,7 @@ class Routing:
         targets = [a for r, a in self._active.items() if rid is None or r == rid]
         for active in targets:
             active.cancelled = True
-        await asyncio.gather(*(self._quietly(self._post(a.server, "/abort_request",
-                                                        {"rid": a.wire_rid}))
+        await asyncio.gather(*(self._abort_attempt(a.server, a.wire_rid)
                                for a in targets if a.posted))
         async with self._changed:
             self._changed.notify_all()

@@ -69,12 +69,9 @@ def error_message(response: httpx.Response) -> str:
         body = response.json()
     except ValueError:
         return response.text
-    if isinstance(body, dict) and body.get("error_message"):  # LoRA replies (LoRAUpdateOutput)
-        return str(body["error_message"])
-    error = body.get("error", body) if isinstance(body, dict) else body
-    if isinstance(error, dict):
-        return str(error.get("message", error))
-    return str(error)
+    if isinstance(body, dict):  # LoRA replies name it error_message (LoRAUpdateOutput)
+        body = body.get("error_message") or body.get("error", body)
+    return str(body.get("message", body) if isinstance(body, dict) else body)
 
 
 def lora_error(response: httpx.Response) -> str:

@@ -136,30 +136,29 @@ class Weights:
                                     "init_weight_group first")
         return members
 
+    async def _on_members(self, group_name: str, path: str, body: dict) -> list[BaseException]:
+        """`path` on every member of the group at once; the errors, once every one answered."""
+        results = await asyncio.gather(*(self._checked(s, path, body)
+                                         for s in self._members(group_name)),
+                                       return_exceptions=True)
+        return [r for r in results if isinstance(r, BaseException)]
+
     async def _begin_session(self, group_name: str) -> None:
-        members = self._members(group_name)
         for _ in range(2):
-            results = await asyncio.gather(
-                *(self._checked(s, "/begin_weight_update", {"selector": "all"}) for s in members),
-                return_exceptions=True)
-            failed = [r for r in results if isinstance(r, BaseException)]
+            failed = await self._on_members(group_name, "/begin_weight_update", {"selector": "all"})
             if not failed:
                 return
             # End the session on every member, then try once more: the ones this call opened,
             # one whose answer was lost, and one left open before (a trainer killed between
             # begin and end). SGLang keeps one session per server, whoever opened it, and lets
             # anyone end it; this run holds these servers, so no one else's session is open.
-            await asyncio.gather(*(self._quietly(self._checked(s, "/end_weight_update", {}))
-                                   for s in members))
+            await self._on_members(group_name, "/end_weight_update", {})
         raise failed[0]
 
     async def _end_session(self, group_name: str) -> None:
-        results = await asyncio.gather(  # every member is closed, even when one fails
-            *(self._checked(s, "/end_weight_update", {}) for s in self._members(group_name)),
-            return_exceptions=True)
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
+        # every member is closed, even when one fails
+        if failed := await self._on_members(group_name, "/end_weight_update", {}):
+            raise failed[0]
 
     async def _init_group(self, address: str, port: int, backend: str, group_name: str,
                           world_size: int | None, ranks_per_server: int) -> None:
