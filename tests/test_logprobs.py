@@ -132,12 +132,12 @@ def test_a_head_with_a_bias_in_chunks_of_at_most_chunk_elements_logits(tokens_pe
     monkeypatch.setattr(logprobs, "CHUNK_ELEMENTS", tokens_per_chunk * vocab)
     chunks = []
 
-    def recording(logits, *args):
-        chunks.append(len(logits))
-        return token_stats(logits, *args)
+    def recording(hidden, *args):
+        chunks.append(len(hidden))
+        return chunk(hidden, *args)
 
-    token_stats = logprobs.token_stats
-    monkeypatch.setattr(logprobs, "token_stats", recording)
+    chunk = logprobs._chunk
+    monkeypatch.setattr(logprobs, "_chunk", recording)
     torch.manual_seed(0)
     head = torch.nn.Linear(4, vocab, bias=True)
     torch.nn.init.normal_(head.bias, std=3.0)

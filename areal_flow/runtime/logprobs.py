@@ -103,6 +103,16 @@ class _Head(torch.autograd.Function):
                 None, None, None)
 
 
+# a seam: benchmarks/train_step.py swaps in autograd's chain for its "- written-out head" row
+def _chunk(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           targets: torch.Tensor, temperature: torch.Tensor,
+           entropy: EntropyMode) -> tuple[torch.Tensor, torch.Tensor | None]:
+    token, ent = _Head.apply(hidden, weight, bias, targets, temperature, entropy != "none")
+    if ent is not None and entropy != "grad":
+        ent = ent.detach()
+    return token, ent
+
+
 def head_at_positions(head: torch.nn.Linear, hidden: torch.Tensor, where: LossPositions,
                       entropy: EntropyMode) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[positions] token log-probs (and entropies) of `head` on packed `hidden` [1, tokens,
@@ -112,16 +122,14 @@ def head_at_positions(head: torch.nn.Linear, hidden: torch.Tensor, where: LossPo
     tokens, entropies = [], []
     for start in range(0, len(states), step):
         part = slice(start, start + step)
-        token, ent = _Head.apply(states[part], head.weight, head.bias, where.targets[part],
-                                 where.temperature[part], entropy != "none")
+        token, ent = _chunk(states[part], head.weight, head.bias, where.targets[part],
+                            where.temperature[part], entropy)
         tokens.append(token)
         entropies.append(ent)
     if not tokens:  # no loss position: still a graph through every layer, for FSDP's hooks
-        tokens = entropies = [((hidden.sum() + head.weight.sum()) * 0).float().expand(0)]
-    if entropy == "none":
-        return torch.cat(tokens), None
-    ent = torch.cat(entropies)
-    return torch.cat(tokens), ent if entropy == "grad" else ent.detach()
+        empty = ((hidden.sum() + head.weight.sum()) * 0).float().expand(0)
+        return empty, {"none": None, "metric": empty.detach(), "grad": empty}[entropy]
+    return torch.cat(tokens), (torch.cat(entropies) if entropy != "none" else None)
 
 
 @contextlib.contextmanager
