@@ -11,6 +11,8 @@ import torch.nn.functional as F
 
 from areal_flow.inference import packed_weights
 
+DEVICES = {"cpu"}
+
 
 def supports(model: torch.nn.Module, device: torch.device) -> bool:
     """Whether `DecodeStep` computes `model`'s decode step on `device` (else: transformers')."""
@@ -19,7 +21,7 @@ def supports(model: torch.nn.Module, device: torch.device) -> bool:
     from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
 
     layers = getattr(getattr(model, "model", None), "layers", None)
-    if device.type != "cpu" or layers is None or not hasattr(model, "lm_head"):
+    if device.type not in DEVICES or layers is None or not hasattr(model, "lm_head"):
         return False
     return all(isinstance(layer, (LlamaDecoderLayer, Qwen2DecoderLayer))
                and getattr(layer.self_attn, "sliding_window", None) is None  # full attention

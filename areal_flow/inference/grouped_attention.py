@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 
 NAME = "areal_flow_grouped_sdpa"
+DEVICES = {"cpu"}
+"""Device types whose SDPA kernel takes a mask together with grouped key/value heads."""
 
 
 def grouped_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -31,7 +33,7 @@ def grouped_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor
 def available(model: torch.nn.Module, device: torch.device) -> bool:
     """Whether `model` on `device` can switch to `NAME`: a CPU (whose SDPA kernel takes a mask
     together with grouped key/value heads), and transformers' sdpa in use."""
-    return device.type == "cpu" and model.config._attn_implementation == "sdpa"
+    return device.type in DEVICES and model.config._attn_implementation == "sdpa"
 
 
 def use(model: torch.nn.Module) -> None:

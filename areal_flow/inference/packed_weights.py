@@ -19,11 +19,13 @@ SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 ATTRIBUTE = "packed_siblings"
 
+DEVICES = {"cpu"}
+"""Device types whose linear layers run on oneDNN (a GPU's run on cuBLAS: nothing to pack)."""
+
 
 def available(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether packing applies: bf16 weights on a CPU whose oneDNN has bf16 kernels."""
-    # a GPU's linear layers run on cuBLAS, not oneDNN: nothing to pack
-    return (device.type == "cpu" and dtype == torch.bfloat16
+    return (device.type in DEVICES and dtype == torch.bfloat16
             and torch.backends.mkldnn.is_available()
             and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
