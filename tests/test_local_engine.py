@@ -956,3 +956,30 @@ def test_steps_are_hosted_by_one_caller_at_a_time(engine):
             with engine.hosted():
                 pass
     assert engine._thread.is_alive()
+
+
+def test_a_weight_update_leaves_a_paused_engine_paused(engine):
+    """A trainer pauses, sends its weights in buckets, then resumes: an engine that resumed after
+    the first bucket would sample on half-updated weights."""
+    steps = []
+    engine.on_step = lambda eng: steps.append(eng)
+    engine.pause()
+    try:
+        future = engine.submit(request([5, 6, 7], temperature=0, max_new_tokens=4)).future
+        state = perturbed(engine.model, 0.01, seed=3)
+        names = sorted(state)
+        half = len(names) // 2
+        # the bucket that keeps the version, then the one that completes the new version
+        for version, bucket in ((0, names[:half]), (1, names[half:])):
+            engine.update_weights(WeightUpdate(version=version,
+                                               state_dict={n: state[n] for n in bucket}))
+            assert engine.paused
+        time.sleep(0.2)  # an engine resumed by mistake would step in this time
+        assert steps == [] and not future.done()
+        engine.resume()
+        assert future.result(timeout=30).finish_reason == "length"
+        assert steps  # the request ran once resumed, on the new weights
+        assert future.result().versions == (1, 1, 1, 1)
+    finally:
+        engine.on_step = None
+        engine.resume()

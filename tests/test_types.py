@@ -58,6 +58,12 @@ def test_requests_and_completions_check_their_shapes():
         Completion(token_ids=[1, 2], logprobs=[0.0], versions=[0, 0], finish_reason="stop")
     with pytest.raises(ValueError, match="'finish_reason' must be in"):
         completion([1], finish="done")
+    # a segment a workflow builds by hand: a missing logprob would shift every later one
+    # against its token in the collated batch
+    for logprobs, versions in (([0.0], [0, 0]), ([0.0, 0.0], [0])):
+        with pytest.raises(ValueError, match="a Segment needs one logprob and one version per "
+                                             "token: 2 tokens"):
+            Segment(token_ids=[1, 2], trainable=True, logprobs=logprobs, versions=versions)
 
 
 def test_weight_update_carries_exactly_one_form():
