@@ -14,6 +14,8 @@ its shape), in fp32 and, where the CPU has fast bf16, in bf16:
   engine, X off   — the engine with one optimisation switched off (`kv_slots`, `pack_weights`,
                     `grouped_attention`, `fused_decode`; "packed siblings": query, key and value,
                     gate and up packed as separate products, `packed_weights.SIBLINGS` empty)
+  engine, attention X — the fused decode step's attention set to torch's kernel ("sdpa") or
+                    to two batched products ("matmul"), not chosen by `faster_attention`
   ragged prompts  — the engine on prompts of 40 to 60 tokens (left-padded: masked attention),
                     with and without `grouped_attention`
 A step's time is the gap between two engine steps (`on_step`), or two calls of the bare loop;
@@ -42,7 +44,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from areal_flow.inference import packed_weights
+from areal_flow.inference import decode_step, packed_weights
 from areal_flow.inference.local import LocalEngine
 from areal_flow.runtime import precision
 from areal_flow.testing.tiny_model import build_tiny_model
@@ -57,6 +59,8 @@ OPTIONS = {"engine": {}, "engine, hosted off": {"hosted": False},
            "engine, pack_weights off": {"pack_weights": False},
            "engine, packed siblings off": {"siblings": False},
            "engine, grouped_attention off": {"grouped_attention": False},
+           "engine, attention sdpa": {"attention": "sdpa"},
+           "engine, attention matmul": {"attention": "matmul"},
            # prompts of 40 to 60 tokens, as an RL batch has: the rows are left-padded, so the
            # attention is masked (equal lengths need no mask)
            "engine, ragged prompts": {"ragged": True},
@@ -100,14 +104,18 @@ def bare(path: Path, dtype: str, batch: int, steps: int) -> list[float]:
 
 
 def engine(path: Path, dtype: str, batch: int, steps: int, ragged: bool = False,
-           hosted: bool = True, siblings: bool = True, **options) -> list[float]:
+           hosted: bool = True, siblings: bool = True, attention: str | None = None,
+           **options) -> tuple[list[float], str | None]:
+    """The step times, and the fused decode step's attention (None: transformers' forward)."""
+    chosen = (lambda *shape: attention) if attention else decode_step.faster_attention
     with unittest.mock.patch.object(packed_weights, "SIBLINGS",
-                                    packed_weights.SIBLINGS if siblings else ()):
+                                    packed_weights.SIBLINGS if siblings else ()), \
+            unittest.mock.patch.object(decode_step, "faster_attention", chosen):
         return engine_steps(path, dtype, batch, steps, ragged, hosted, **options)
 
 
 def engine_steps(path: Path, dtype: str, batch: int, steps: int, ragged: bool, hosted: bool,
-                 **options) -> list[float]:
+                 **options) -> tuple[list[float], str | None]:
     engine = LocalEngine(path, dtype=dtype, max_batch_size=batch, **options)
     stamps: list[float] = []
     try:
@@ -135,7 +143,7 @@ def engine_steps(path: Path, dtype: str, batch: int, steps: int, ragged: bool, h
     finally:
         engine.close()
     gaps = [b - a for a, b in zip(stamps, stamps[1:])]  # the first stamp ends the prefill
-    return gaps[WARMUP:]
+    return gaps[WARMUP:], getattr(engine._decode_step, "attention", None)
 
 
 def weight_bytes(path: Path, dtype: str) -> int:
@@ -161,10 +169,12 @@ def run(quick: bool = False) -> dict:
             size = in_own_thread(weight_bytes, path, dtype)
             for batch in (8, 16):
                 times = {"bare": in_own_thread(bare, path, dtype, batch, steps)}
+                attention = {"bare": None}
                 for label, options in OPTIONS.items():
                     if "pack" in label and dtype != "bfloat16":
                         continue  # packing is for bf16 only
-                    times[label] = in_own_thread(engine, path, dtype, batch, steps, **options)
+                    times[label], attention[label] = in_own_thread(engine, path, dtype, batch,
+                                                                   steps, **options)
                 base = statistics.median(times["bare"])
                 for label, seconds in times.items():
                     median = statistics.median(seconds)
@@ -174,7 +184,8 @@ def run(quick: bool = False) -> dict:
                         "p90_ms": statistics.quantiles(seconds, n=10)[-1] * 1e3,
                         "max_ms": max(seconds) * 1e3, "tokens_per_s": batch / median,
                         "speedup_vs_bare": base / median,
-                        "mbu": size / bandwidth / median, "weight_bytes": size})
+                        "mbu": size / bandwidth / median, "weight_bytes": size,
+                        "attention": attention[label]})
     return {"benchmark": "decode", "model": name, "machine": machine_line(),
             "read_bandwidth_gbs": bandwidth / 1e9, "steps": steps, "prompt_tokens": PROMPT,
             "torch_threads": torch.get_num_threads(), "rows": rows}
@@ -185,11 +196,11 @@ def show(result: dict) -> None:
           f"{result['read_bandwidth_gbs']:.1f} GB/s; {result['prompt_tokens']}-token prompts, "
           f"{result['steps']} steps timed\n")
     print(markdown_table(
-        ["dtype", "batch", "method", "median ms", "p90 ms", "max ms", "tokens/s",
+        ["dtype", "batch", "method", "attention", "median ms", "p90 ms", "max ms", "tokens/s",
          "vs bare", "MBU"],
-        [[r["dtype"], r["batch"], r["method"], f"{r['median_ms']:.1f}", f"{r['p90_ms']:.1f}",
-          f"{r['max_ms']:.1f}", f"{r['tokens_per_s']:.0f}", f"{r['speedup_vs_bare']:.2f}x",
-          f"{r['mbu']:.0%}"] for r in result["rows"]]))
+        [[r["dtype"], r["batch"], r["method"], r.get("attention") or "-", f"{r['median_ms']:.1f}",
+          f"{r['p90_ms']:.1f}", f"{r['max_ms']:.1f}", f"{r['tokens_per_s']:.0f}",
+          f"{r['speedup_vs_bare']:.2f}x", f"{r['mbu']:.0%}"] for r in result["rows"]]))
 
 
 if __name__ == "__main__":

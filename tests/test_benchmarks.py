@@ -40,6 +40,9 @@ def test_run_collects_each_modules_table_and_json(tmp_path):
     assert {("float32", 8, "bare"), ("float32", 8, "engine"),
             ("float32", 16, "engine, kv_slots off")} <= methods
     assert all(r["median_ms"] > 0 and 0 < r["mbu"] for r in decode["rows"])
+    chosen = {r["method"]: r["attention"] for r in decode["rows"] if r["batch"] == 8}
+    assert chosen["engine, attention matmul"] == "matmul" and chosen["bare"] is None
+    assert chosen["engine, attention sdpa"] == "sdpa" and chosen["engine"] in ("sdpa", "matmul")
     assert not (tmp_path / "rewards.png").exists()  # no end-to-end run, no curves
 
 

@@ -261,16 +261,96 @@ def test_a_bf16_engine_packs_each_layers_siblings_together(tiny_model_dir):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_fused_decode_step_generates_what_transformers_forward_does(tiny_model_dir, dtype):
-    """Bit for bit: the same tokens and the same log-probs, through rows of two prompt lengths
-    (masked attention), a row joining late and a weight update mid-run (in bf16 on this CPU the
-    layers read packed weights, repacked after the update)."""
+def test_the_fused_decode_step_generates_what_transformers_forward_does(tiny_model_dir, dtype,
+                                                                       monkeypatch):
+    """Bit for bit with torch's attention kernel: the same tokens and the same log-probs,
+    through rows of two prompt lengths (masked attention), a row joining late and a weight
+    update mid-run (in bf16 on this CPU the layers read packed weights, repacked after it)."""
+    monkeypatch.setattr(decode_step, "faster_attention", lambda *shape: "sdpa")
     fused, engine = interrupted_run(tiny_model_dir, dtype=dtype)  # the default
     assert engine._decode_step is not None  # on a CPU for a Llama model
+    assert engine._decode_step.attention == "sdpa"
     plain, engine = interrupted_run(tiny_model_dir, dtype=dtype, fused_decode=False)
     assert engine._decode_step is None
     for a, b in zip(fused, plain, strict=True):
         assert (a.token_ids, a.logprobs, a.versions) == (b.token_ids, b.logprobs, b.versions)
+
+
+def test_the_fused_decode_step_with_matmul_attention_generates_what_transformers_does(
+        tiny_model_dir, monkeypatch):
+    """fp32, where the two attentions differ by float rounding only: the same sampled tokens
+    (masked rows, a late row, a weight update mid-run) and log-probs to 1e-5."""
+    monkeypatch.setattr(decode_step, "faster_attention", lambda *shape: "matmul")
+    fused, engine = interrupted_run(tiny_model_dir, dtype="float32")
+    assert engine._decode_step.attention == "matmul"
+    plain, _ = interrupted_run(tiny_model_dir, dtype="float32", fused_decode=False)
+    assert_same_generations(fused, plain)
+
+
+def reference_attention(q, k, v, attend, scale):
+    """Written apart, in float64: every query head against its key head, one row at a time."""
+    rows, heads, _, dim = q.shape
+    group = heads // k.shape[1]
+    out = torch.zeros(rows, heads, 1, dim, dtype=torch.float64)
+    for r in range(rows):
+        for h in range(heads):
+            scores = (k[r, h // group].double() @ q[r, h, 0].double()) * scale
+            if attend is not None:
+                scores[~attend[r, 0, 0]] = float("-inf")
+            out[r, h, 0] = torch.softmax(scores, 0) @ v[r, h // group].double()
+    return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31), rows=st.integers(1, 5), kv_heads=st.integers(1, 3),
+       group=st.integers(1, 3), dim=st.sampled_from([4, 8, 16]), keys=st.integers(1, 40),
+       padded=st.booleans(), bf16=st.booleans())
+def test_matmul_attention_is_grouped_query_attention_with_masked_keys_ignored(
+        seed, rows, kv_heads, group, dim, keys, padded, bf16):
+    """Against a float64 reference written apart: grouped heads read their own key head, the
+    masked (left-padding) keys get no weight even when their values are huge, and bf16 stays
+    within bf16's rounding of the inputs. The keys are a strided view, as KV slots give."""
+    g = torch.Generator().manual_seed(seed)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    q = torch.randn(rows, kv_heads * group, 1, dim, generator=g).to(dtype)
+    room = torch.randn(2, rows, kv_heads, keys + 3, dim, generator=g).to(dtype)
+    k, v = room[0, :, :, :keys], room[1, :, :, :keys]
+    attend = None
+    if padded:
+        pads = torch.randint(0, keys, (rows,), generator=g)  # each row keeps >= 1 key
+        attend = (torch.arange(keys)[None] >= pads[:, None])[:, None, None, :]
+        v = v.masked_fill(~attend.transpose(-1, -2), 1e4)  # the padding's values: huge
+    scale = dim ** -0.5
+    got = decode_step.matmul_attention(q, k, v, attend, scale)
+    assert got.dtype == dtype and got.shape == q.shape
+    expected = reference_attention(q, k, v, attend, scale)
+    torch.testing.assert_close(got.double(), expected, atol=2e-2 if bf16 else 1e-5, rtol=0)
+
+
+def test_matmul_attention_is_chosen_only_where_it_is_clearly_faster(monkeypatch):
+    """A fake clock: each attention's call costs what the test says. Chosen below `MARGIN` of
+    sdpa's time; at equal times (or just under) the kernel that matches transformers stays."""
+    clock = [0.0]
+    monkeypatch.setattr(decode_step.time, "perf_counter", lambda: clock[0])
+
+    def costing(seconds):
+        def attention(*args):
+            clock[0] += seconds
+        return attention
+
+    for sdpa, matmul, chosen in [(1.0, 0.5, "matmul"), (1.0, 1.0, "sdpa"), (1.0, 0.9, "sdpa"),
+                                 (0.5, 1.0, "sdpa")]:
+        monkeypatch.setattr(decode_step, "ATTENTION", {"sdpa": costing(sdpa),
+                                                       "matmul": costing(matmul)})
+        assert decode_step.faster_attention(torch.float32, 4, 2, 8, rows=3) == chosen
+
+
+def test_a_decode_step_names_the_attention_it_was_given_or_refuses_another(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert decode_step.DecodeStep(model, attention="matmul").attention == "matmul"
+    assert decode_step.DecodeStep(model).attention in decode_step.ATTENTION
+    with pytest.raises(ValueError, match="'attention' must be one of sdpa, matmul"):
+        decode_step.DecodeStep(model, attention="flash")
 
 
 def test_the_fused_decode_step_is_for_llama_family_models_on_a_cpu(tiny_model_dir):

@@ -6,6 +6,8 @@ apply), with logits equal bit for bit (tests/test_decode_paths.py). GPU steps ar
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 
@@ -33,16 +35,24 @@ class DecodeStep:
     """`step(ids, positions, mask, cache)` -> next-token logits per row. ids, positions: (rows, 1);
     mask: (rows, columns), new column included; `cache`'s layers take the new keys and values."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, rows: int = 16, attention: str | None = None):
+        """`attention`: "sdpa" or "matmul" (None: the faster here, `faster_attention`, for
+        batches of `rows`)."""
         base = model.model
         self._embed, self._rotary, self._norm = base.embed_tokens, base.rotary_emb, base.norm
         self._head = model.lm_head
         self._layers = list(base.layers)
-        attention = self._layers[0].self_attn
+        first = self._layers[0].self_attn
         self._heads = model.config.num_attention_heads
         self._kv_heads = model.config.num_key_value_heads
-        self._head_dim = attention.head_dim
-        self._scaling = attention.scaling
+        self._head_dim = first.head_dim
+        self._scaling = first.scaling
+        if attention is not None and attention not in ATTENTION:
+            raise ValueError(f"'attention' must be one of {', '.join(ATTENTION)} or None: "
+                             f"{attention!r}")
+        self.attention = attention or faster_attention(
+            model.dtype, self._heads, self._kv_heads, self._head_dim, rows)
+        self._attend = ATTENTION[self.attention]
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
                  cache) -> torch.Tensor:
@@ -73,8 +83,7 @@ class DecodeStep:
         k = qk[:, :, self._heads:].transpose(1, 2)
         v = v.view(rows, 1, self._kv_heads, self._head_dim).transpose(1, 2)
         k, v = kv.update(k, v)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attend, scale=self._scaling,
-                                             enable_gqa=self._kv_heads != self._heads)
+        out = self._attend(q, k, v, attend, self._scaling)
         hidden = hidden + attn.o_proj.forward(out.transpose(1, 2).reshape(rows, 1, -1))
         x = _rms_norm(layer.post_attention_layernorm, hidden)
         if (together := packed_weights.siblings(mlp)) is not None:  # one product: gate | up
@@ -82,6 +91,59 @@ class DecodeStep:
         else:
             gate, up = mlp.gate_proj.forward(x), mlp.up_proj.forward(x)
         return hidden + mlp.down_proj.forward(F.silu(gate) * up)
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   attend: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """q (rows, heads, 1, dim), k and v (rows, kv heads, keys, dim), `attend` (rows, 1, 1, keys)
+    or None -> (rows, heads, 1, dim): torch's fused kernel, transformers' numbers bit for bit."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attend, scale=scale,
+                                          enable_gqa=k.shape[1] != q.shape[1])
+
+
+def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     attend: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """`sdpa_attention` as two batched products: each key head's query heads are the rows of
+    one product (grouped heads read in place), scores and softmax in fp32. Where torch's CPU
+    kernel has no fast path for one bf16 query (AVX-512 without AMX: 3-5x slower than this)."""
+    rows, heads, _, dim = q.shape
+    kv_heads = k.shape[1]
+    scores = torch.matmul(q.reshape(rows, kv_heads, heads // kv_heads, dim).float(),
+                          k.float().transpose(-1, -2)).mul_(scale)
+    if attend is not None:
+        scores.masked_fill_(~attend, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.matmul(probs, v).reshape(rows, heads, 1, dim)
+
+
+ATTENTION = {"sdpa": sdpa_attention, "matmul": matmul_attention}
+
+MARGIN = 0.8
+"""`matmul` is chosen only below this fraction of `sdpa`'s time: where the two are close, a
+run's choice (and so its sampled tokens) should not move with the timing noise."""
+
+
+def faster_attention(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, rows: int,
+                     keys: int = 256) -> str:
+    """Times both decode attentions at this model's heads, `rows` queries over `keys` cached
+    keys (a few ms) and names the faster: "sdpa" unless "matmul" takes under `MARGIN` of it."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(rows, heads, 1, head_dim, generator=g).to(dtype)
+    k, v = (torch.randn(rows, kv_heads, keys, head_dim, generator=g).to(dtype) for _ in "kv")
+    attend = torch.ones(rows, 1, 1, keys, dtype=torch.bool)
+    attend[0, ..., :keys // 4] = False  # a left-padded row, as a ragged batch has
+
+    def seconds(name: str) -> float:
+        best = float("inf")
+        for _ in range(7):  # the best of 7, after a first call that warms the kernel up
+            start = time.perf_counter()
+            ATTENTION[name](q, k, v, attend, head_dim ** -0.5)
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    with torch.inference_mode():
+        sdpa, matmul = seconds("sdpa"), seconds("matmul")
+    return "matmul" if matmul < MARGIN * sdpa else "sdpa"
 
 
 def _rms_norm(norm: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:

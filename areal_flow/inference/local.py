@@ -118,8 +118,9 @@ class LocalEngine:
         if self.grouped_attention:
             grouped_attention_module.use(self.model)
         # reads the model's modules as they are at each step: updates and adapters apply
-        self._decode_step = decode_step.DecodeStep(self.model) if fused_decode and \
-            decode_step.supports(self.model, self.device) else None
+        self._decode_step = None
+        if fused_decode and decode_step.supports(self.model, self.device):
+            self._decode_step = decode_step.DecodeStep(self.model, rows=min(max_batch_size, 16))
         self.max_length = getattr(self.model.config, "max_position_embeddings", None)
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
         # what a decode step must read at least (tied tensors once), and how fast it can be read
