@@ -7,6 +7,7 @@ apply), with logits equal bit for bit (tests/test_decode_paths.py). GPU steps ar
 from __future__ import annotations
 
 import time
+import timeit
 
 import torch
 import torch.nn.functional as F
@@ -47,9 +48,6 @@ class DecodeStep:
         self._kv_heads = model.config.num_key_value_heads
         self._head_dim = first.head_dim
         self._scaling = first.scaling
-        if attention is not None and attention not in ATTENTION:
-            raise ValueError(f"'attention' must be one of {', '.join(ATTENTION)} or None: "
-                             f"{attention!r}")
         self.attention = attention or faster_attention(
             model.dtype, self._heads, self._kv_heads, self._head_dim, rows)
         self._attend = ATTENTION[self.attention]
@@ -133,13 +131,9 @@ def faster_attention(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: in
     attend = torch.ones(rows, 1, 1, keys, dtype=torch.bool)
     attend[0, ..., :keys // 4] = False  # a left-padded row, as a ragged batch has
 
-    def seconds(name: str) -> float:
-        best = float("inf")
-        for _ in range(7):  # the best of 7, after a first call that warms the kernel up
-            start = time.perf_counter()
-            ATTENTION[name](q, k, v, attend, head_dim ** -0.5)
-            best = min(best, time.perf_counter() - start)
-        return best
+    def seconds(name: str) -> float:  # the best of 7 calls (the first warms the kernel up)
+        return min(timeit.repeat(lambda: ATTENTION[name](q, k, v, attend, head_dim ** -0.5),
+                                 timer=time.perf_counter, number=1, repeat=7))
 
     with torch.inference_mode():
         sdpa, matmul = seconds("sdpa"), seconds("matmul")
