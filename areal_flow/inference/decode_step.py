@@ -2,7 +2,9 @@
 
 On a CPU at SmolLM2's size about half of transformers' step is plumbing (~45 small ops per
 layer). `DecodeStep` calls the same modules' `forward`s directly (packed weights, LoRA and updates
-apply), with logits equal bit for bit (tests/test_decode_paths.py). GPU steps are launch-bound."""
+apply); with torch's attention kernel its logits equal transformers' bit for bit, with the
+attention `faster_attention` measures to be faster they agree to float rounding
+(tests/test_decode_paths.py). GPU steps are launch-bound."""
 
 from __future__ import annotations
 
@@ -103,7 +105,7 @@ def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      attend: torch.Tensor | None, scale: float) -> torch.Tensor:
     """`sdpa_attention` as two batched products: each key head's query heads are the rows of
     one product (grouped heads read in place), scores and softmax in fp32. Where torch's CPU
-    kernel has no fast path for one bf16 query (AVX-512 without AMX: 3-5x slower than this)."""
+    kernel has no fast path for one bf16 query (AVX-512 without AMX: 3-13x slower than this)."""
     rows, heads, _, dim = q.shape
     kv_heads = k.shape[1]
     scores = torch.matmul(q.reshape(rows, kv_heads, heads // kv_heads, dim).float(),
