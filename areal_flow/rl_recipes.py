@@ -365,7 +365,7 @@ class EntropyWatch:
             self.warned = True
             return (f"warning: entropy {entropy:.3g} nats, below {self.fraction:.0%} of its "
                     f"first {self.first:.3g}: the policy is collapsing onto one form of answer. "
-                    "Try --algorithm.entropy-target 1.2 --algorithm.entropy-coef-step 0.05 "
+                    "Try --algorithm.entropy-target 1.2 --algorithm.entropy-coef-step 0.1 "
                     "(GRPO), --train.optim.warmup-steps 10 or a lower --train.optim.lr "
                     "(docs/when_a_run_does_not_learn.md)")
         return None

@@ -127,6 +127,7 @@ def recipe_command(p: dict, run_dir: Path) -> list[str]:
         "--rollout.max-staleness", "1",
         "--rollout.max-concurrent", str(2 * p["prompts"] * p["group"]),
         "--rollout.filter-flat-groups", "0",  # TRL's GRPOTrainer has no dynamic sampling
+        "--algorithm.entropy-target", "None",  # nor entropy control
         "--sampling.max-new-tokens", str(p["max_new_tokens"]), "--sampling.temperature", "1.0",
         "--train.optim.lr", str(p["lr"]), "--train.optim.schedule", p["schedule"],
         "--train.optim.warmup-steps", "0",
