@@ -342,7 +342,25 @@ def test_matmul_attention_is_chosen_only_where_it_is_clearly_faster(monkeypatch)
                                  (0.5, 1.0, "sdpa")]:
         monkeypatch.setattr(decode_step, "ATTENTION", {"sdpa": costing(sdpa),
                                                        "matmul": costing(matmul)})
-        assert decode_step.faster_attention(torch.float32, 4, 2, 8, rows=3) == chosen
+        assert decode_step.faster_attention.__wrapped__(torch.float32, 4, 2, 8, rows=3) == chosen
+
+
+def test_the_attention_is_measured_once_a_process_for_each_shape(monkeypatch):
+    """Two engines of one model in a process decode alike: the second takes the first's choice
+    even where a new timing would choose the other (here: a clock that makes sdpa slow)."""
+    decode_step.faster_attention.cache_clear()
+    try:
+        first = decode_step.faster_attention(torch.float32, 4, 2, 8, 3)
+        clock = [0.0]
+        monkeypatch.setattr(decode_step.time, "perf_counter", lambda: clock[0])
+        costs = {"sdpa": 1.0, "matmul": 0.1} if first == "sdpa" else {"sdpa": 0.1, "matmul": 1.0}
+        monkeypatch.setattr(decode_step, "ATTENTION", {
+            name: (lambda *args, cost=cost: clock.__setitem__(0, clock[0] + cost))
+            for name, cost in costs.items()})
+        assert decode_step.faster_attention(torch.float32, 4, 2, 8, 3) == first
+        assert decode_step.faster_attention(torch.float32, 4, 2, 8, 5) != first  # a new shape
+    finally:
+        decode_step.faster_attention.cache_clear()  # no fake clock's choice stays behind
 
 
 def test_a_decode_step_takes_the_attention_it_is_given_or_the_measured_one(tiny_model_dir):

@@ -8,6 +8,7 @@ attention `faster_attention` measures to be faster they agree to float rounding
 
 from __future__ import annotations
 
+import functools
 import time
 import timeit
 
@@ -123,6 +124,7 @@ MARGIN = 0.8
 run's choice (and so its sampled tokens) should not move with the timing noise."""
 
 
+@functools.cache  # once a process: engines of one model then decode alike, whatever the noise
 def faster_attention(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, rows: int,
                      keys: int = 256) -> str:
     """Times both decode attentions at this model's heads, `rows` queries over `keys` cached
