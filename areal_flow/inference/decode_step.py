@@ -107,7 +107,7 @@ def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """`sdpa_attention` as two batched products: each key head's query heads are the rows of
     one product (grouped heads read in place), all in fp32 (probabilities rounded to bf16 before
     the values' product made bf16 rollouts learn worse on the tiny task). Where torch's CPU
-    kernel has no fast path for one bf16 query (AVX-512 without AMX: 2.6-5x slower than this)."""
+    kernel has no fast path for one bf16 query (AVX-512 without AMX: 3-5x slower than this)."""
     rows, heads, _, dim = q.shape
     kv_heads = k.shape[1]
     scores = torch.matmul(q.reshape(rows, kv_heads, heads // kv_heads, dim).float(),
