@@ -22,9 +22,14 @@ from common import main, markdown_table
 from grpo_loop import (areal_flow_worker, launch, problem_label, problems, summarize,
                        worker_spec)
 
-RUNS = ((0, False), (1, False), (1, True), (2, False), (4, False))
-"""(η, decode while training): the engine makes no step while the trainer trains unless the
-second is True (`InferenceConfig.decode_while_training`; the row "1, decode while training")."""
+RUNS = ((0, ""), (1, ""), (1, "decode while training"), (1, "sync after the engine restarts"),
+        (2, ""), (4, ""))
+"""(η, variant): as the recipe, the engine makes no step while the trainer trains and syncs the
+weights; "decode while training" lets it (`InferenceConfig.decode_while_training`), "sync after
+the engine restarts" syncs after the engine's thread took its steps again (so the sync
+interrupts the step it is in, and that step's rows are prefilled again)."""
+VARIANTS = {"": {}, "decode while training": {"decode_while_training": True},
+            "sync after the engine restarts": {"sync_hosted": False}}
 
 
 def run(quick: bool = False) -> dict:
@@ -35,11 +40,11 @@ def run(quick: bool = False) -> dict:
         tmp = Path(tmp)
         for problem in problems(quick, tmp, smollm2_steps=6):
             base = None
-            for eta, overlap in RUNS:
-                name = f"{eta}, decode while training" if overlap else f"{eta}"
+            for eta, variant in RUNS:
+                name = f"{eta}, {variant}" if variant else f"{eta}"
                 result = launch(__file__, {
-                    "key": f"{problem['name']}-eta{eta}{'-overlap' * overlap}", "eta": eta,
-                    "problem": {**problem, "decode_while_training": overlap}}, tmp)
+                    "key": f"{problem['name']}-eta{eta}-{variant.replace(' ', '-')}",
+                    "eta": eta, "problem": {**problem, **VARIANTS[variant]}}, tmp)
                 row = summarize(problem, f"areal_flow eta={name}", result)
                 steps = result["steps"]
                 row.update(

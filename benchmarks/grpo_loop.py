@@ -151,12 +151,17 @@ def areal_flow_worker(p: dict, eta: int) -> dict:
                     raise wait.failure or KeyboardInterrupt()
                 batch = wait.batch
                 rolled = time.perf_counter()
-                # as the recipe: the engine makes no step while this trains (unless asked)
+                # as the recipe: the engine makes no step while this trains and syncs (unless
+                # asked; `sync_hosted` False: the sync after the engine's thread restarted)
                 with hosting(engine, not p.get("decode_while_training", False)):
                     stats = trainer.train(batch, algorithm)
-                trained = time.perf_counter()
-                trainer.sync_weights(engine, step + 1)
-                scheduler.set_version(step + 1)
+                    trained = time.perf_counter()
+                    if p.get("sync_hosted", True):
+                        trainer.sync_weights(engine, step + 1)
+                        scheduler.set_version(step + 1)
+                if not p.get("sync_hosted", True):
+                    trainer.sync_weights(engine, step + 1)
+                    scheduler.set_version(step + 1)
                 stamps.append(time.perf_counter())
                 completion = batch["loss_mask"].sum(-1)
                 lag = (batch["policy_version"][:, None] - batch["versions"])[batch["loss_mask"]]

@@ -125,21 +125,22 @@ def main(cfg: Config) -> None:
                 session.stop_before(step, wait.failure)  # a checkpoint of where it stands
                 break
             batch, rolled = wait.batch, time.perf_counter()
-            # the in-process engine makes no step while this trains (it shares the cores)
+            # the in-process engine makes no step while this trains and syncs (it shares the
+            # cores, and the sync would interrupt that step's rows and prefill them again)
             with rl_recipes.hosting(pool, not cfg.inference.decode_while_training):
                 # role forwards: pi_prox, critic values, ref and teacher log-probs, as it needs
                 shard = trainer.role_forwards(batch, algorithm, critic=critic, ref=ref,
                                               teacher=teacher)
                 shard = trainer.advantages(shard, algorithm)  # on rank 0, the whole batch
                 stats = trainer.update(shard, algorithm, critic=critic)  # the optimizer step(s)
-            trained = time.perf_counter()
-            failure = None  # what ends the run after this step trained: checkpoint it first
-            try:
-                sync = trainer.sync_weights(pool, step + 1, folder=weights)  # weight sync
-                if scheduler is not None:
-                    scheduler.set_version(step + 1)  # older rollouts now count as stale
-            except Exception as error:  # noqa: BLE001 - e.g. servers gone mid-update
-                failure, sync = error, {}
+                trained = time.perf_counter()
+                failure = None  # what ends the run after this step trained: checkpoint it first
+                try:
+                    sync = trainer.sync_weights(pool, step + 1, folder=weights)  # weight sync
+                    if scheduler is not None:
+                        scheduler.set_version(step + 1)  # older rollouts now count as stale
+                except Exception as error:  # noqa: BLE001 - e.g. servers gone mid-update
+                    failure, sync = error, {}
             metrics = samples = None
             if rank == 0:
                 metrics = {**rl_recipes.batch_metrics(cfg, batch, scheduler), **stats, **sync,

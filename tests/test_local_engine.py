@@ -261,6 +261,42 @@ def check_interrupted_generations(tiny_model_dir, device: str) -> None:
                                             for r, o in zip(reqs, outs))
 
 
+def test_an_update_between_hosted_steps_continues_the_rows_under_the_new_weights(tiny_model_dir):
+    """The recipe's order: the trainer hosts the engine's steps, then, still hosting, trains and
+    updates the weights (so no engine step runs between, to be interrupted). The update returns
+    at once and the rows running then go on re-prefilled under w1: each completion is greedy
+    decoding under w0 up to the update and under w1, from the whole context, after it."""
+    engine = LocalEngine(tiny_model_dir)
+    w0 = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    w1 = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    w1.load_state_dict(perturbed(w0, 0.05, seed=1))
+    reqs = [request(p, temperature=0, max_new_tokens=20, ignore_eos=True) for p in prompts(3)]
+    try:
+        engine.pause()
+        seqs = [engine.submit(r) for r in reqs]
+        engine.resume()
+        host_until_done(engine, seqs, steps_before_leaving=6)
+        with engine.hosted():
+            engine.step(timeout=0.01)  # a hosted step leaves the rows running
+            switched_at = [len(s.tokens) for s in seqs]
+            updater = threading.Thread(target=engine.update_weights, args=(
+                WeightUpdate(version=1, state_dict=w1.state_dict()),))
+            updater.start()  # as the trainer does on the hosting thread; a thread, to time out
+            updater.join(timeout=30)
+            assert not updater.is_alive(), "an update between hosted steps waited for a step"
+            assert engine.stats()["interruptions"] == len(reqs)
+            while not all(s.future.done() for s in seqs):
+                engine.step(timeout=0.01)
+        outs = [s.future.result(timeout=0) for s in seqs]
+    finally:
+        engine.close()
+    for req, out, k in zip(reqs, outs, switched_at):
+        assert 0 < k < 20 and list(out.versions) == [0] * k + [1] * (20 - k)
+        before = greedy_reference(w0, req.input_ids, k)
+        assert list(out.token_ids) == before + greedy_reference(w1, [*req.input_ids, *before],
+                                                                20 - k)
+
+
 def test_weights_load_from_a_state_dict_or_a_folder(tiny_model_dir, tmp_path):
     engine = LocalEngine(tiny_model_dir)
     other = AutoModelForCausalLM.from_pretrained(tiny_model_dir)

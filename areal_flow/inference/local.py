@@ -140,7 +140,8 @@ class LocalEngine:
         # request id (None: every request) -> last submission serial the abort applies to
         self._abort: dict[str | None, int] = {}
         self._paused = False
-        self._idle = True
+        self._stepping = False
+        """A forward pass is in flight (the stepping thread is outside the lock)."""
         self._closing = False
         self._hosted = False
         # Owned by the thread that steps (the engine thread, or the caller within `hosted`):
@@ -210,12 +211,16 @@ class LocalEngine:
             self._cv.notify_all()
 
     def pause(self, wait: bool = True) -> None:
-        """Hold requests until `resume`; `wait`: until no forward runs (else: at the next step)."""
+        """Hold requests until `resume`; running rows go back to the queue, to be re-prefilled
+        under the weights of then. `wait`: until no forward runs, the rows requeued on return
+        (also by the thread hosting the steps, between them); else at the next step."""
         with self._cv:
             self._paused = True
             self._cv.notify_all()
-            while wait and not self._idle:
-                self._cv.wait()
+            if wait:
+                while self._stepping:
+                    self._cv.wait()
+                self._requeue_locked()
 
     def resume(self) -> None:
         with self._cv:
@@ -339,20 +344,16 @@ class LocalEngine:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
             self._drain_aborts_locked()
-            if self._paused and self._running:  # requeued: re-prefilled after `resume`
-                self._totals.interruptions += len(self._running)
-                self._waiting.extendleft(reversed(self._running))
-                self._keep([])
+            if self._paused:  # by `pause(wait=False)` during the last step
+                self._requeue_locked()
             while (stop := self._closing or (background and self._hosted)) or (
                     self._paused or not (self._waiting or self._running)):
-                self._idle = True
-                self._cv.notify_all()
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if stop or (remaining is not None and remaining <= 0):
                     return not stop
                 self._cv.wait(remaining)
                 self._drain_aborts_locked()
-            self._idle = False
+            self._stepping = True
             room = self.max_batch_size - len(self._running)
             admitted = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
         try:
@@ -365,7 +366,19 @@ class LocalEngine:
                 self.on_step(self)
         except Exception as exc:  # fail the affected requests instead of hanging them
             self._fail_running([*admitted, *self._running], exc)
+        finally:
+            with self._cv:
+                self._stepping = False
+                self._cv.notify_all()
         return True
+
+    def _requeue_locked(self) -> None:
+        """Running rows back to the head of the queue, their KV cache dropped: re-prefilled from
+        prompt + tokens so far on `resume`. Only while no forward runs."""
+        if self._running:
+            self._totals.interruptions += len(self._running)
+            self._waiting.extendleft(reversed(self._running))
+            self._keep([])
 
     def _fail_running(self, seqs: list[_Sequence], exc: Exception) -> None:
         """Fail `seqs`; empty the running batch, which a failure left in no known state."""
