@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import time
 import datetime
+import functools
 import math
 import os
 import signal
@@ -38,11 +39,14 @@ from tests.test_local_engine import (forward_logprobs, greedy_reference, perturb
                                      save_perturbed)
 from tests.test_protocol_server import free_port, wait_for
 
+FP32_SERVE = functools.partial(serve_command, dtype="float32")
+
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir, tmp_path_factory):
-    """Servers A, B, C, D."""
-    with SGLangLauncher(tiny_model_dir, gpus=[0, 1, 2, 3], command=serve_command,
+    """Servers A, B, C, D, in fp32: tests compare their tokens with an fp32 model's (with the
+    dtype measured, a CPU where bf16 decodes the tiny model faster would serve bf16)."""
+    with SGLangLauncher(tiny_model_dir, gpus=[0, 1, 2, 3], command=FP32_SERVE,
                         log_dir=str(tmp_path_factory.mktemp("servers"))) as launcher:
         yield launcher
 
@@ -316,7 +320,7 @@ def test_a_server_reporting_default_is_labelled_or_taken_out(addrs, tmp_path, ti
     joins; if one answers with "default" anyway (restarted unnoticed), the pool takes it out and
     finishes the requests elsewhere instead of failing them."""
     a = addrs["A"]
-    with SGLangLauncher(tiny_model_dir, weight_version=None, command=serve_command,
+    with SGLangLauncher(tiny_model_dir, weight_version=None, command=FP32_SERVE,
                         log_dir=str(tmp_path / "servers")) as fresh:
         (x,) = fresh.addresses
         assert httpx.get(f"http://{x}/model_info").json()["weight_version"] == "default"
