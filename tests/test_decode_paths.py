@@ -191,16 +191,19 @@ def test_grouped_attention_is_for_a_cpu_and_matches_sdpa_on_a_padded_cached_batc
         torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
 
 
-@pytest.mark.skipif(not packed_weights.available(torch.bfloat16, torch.device("cpu")),
-                    reason="this CPU's oneDNN has no bf16 kernels: nothing is packed")
-def test_packed_weights_generate_what_plain_ones_do_and_follow_weight_updates(tiny_model_dir):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_packed_weights_generate_what_plain_ones_do_and_follow_weight_updates(tiny_model_dir,
+                                                                             dtype):
     """The run updates the weights mid-way: a packed copy left from before would keep
-    generating from the old weights."""
-    packed, engine = interrupted_run(tiny_model_dir, dtype="bfloat16", pack_weights=True)
+    generating from the old weights. bf16: bit for bit; fp32: the same tokens, log-probs
+    within float rounding (oneDNN sums in another order than `F.linear`)."""
+    if not packed_weights.available(getattr(torch, dtype), torch.device("cpu")):
+        pytest.skip(f"this CPU's oneDNN has no {dtype} kernels: nothing is packed")
+    packed, engine = interrupted_run(tiny_model_dir, dtype=dtype, pack_weights=True)
     linears = [m for m in engine.model.modules() if type(m) is torch.nn.Linear]
     assert engine.pack_weights and linears
     assert all("forward" in m.__dict__ for m in linears)  # every layer read packed weights
-    plain, engine = interrupted_run(tiny_model_dir, dtype="bfloat16", pack_weights=False)
+    plain, engine = interrupted_run(tiny_model_dir, dtype=dtype, pack_weights=False)
     assert not any("forward" in m.__dict__ for m in engine.model.modules())
     assert_same_generations(packed, plain)
 
@@ -381,8 +384,11 @@ def test_the_fused_decode_step_is_for_llama_family_models_on_a_cpu(tiny_model_di
     assert not decode_step.supports(llama, torch.device("cpu"))
 
 
-def test_packing_is_for_bf16_on_a_cpu_only():
-    assert not packed_weights.available(torch.float32, torch.device("cpu"))
+def test_packing_is_for_fp32_and_bf16_on_a_cpu_only():
+    assert packed_weights.available(torch.float32, torch.device("cpu")) == \
+        torch.backends.mkldnn.is_available()
+    assert not packed_weights.available(torch.float16, torch.device("cpu"))
+    assert not packed_weights.available(torch.float32, torch.device("cuda"))
     assert not packed_weights.available(torch.bfloat16, torch.device("cuda"))
 
 

@@ -16,6 +16,7 @@ from areal_flow.runtime import checkpoint
 from areal_flow.runtime.engine import TrainConfig, TrainEngine
 from areal_flow.types import GenerationRequest, SamplingParams, WeightUpdate
 from tests.dist_train_script import TokenNLL, fixed_batch
+from tests.test_local_engine import generate_together
 
 
 @pytest.fixture(scope="module")
@@ -188,6 +189,38 @@ def test_an_in_process_engine_generates_from_the_trainers_tensors(world, tiny_mo
     assert all(len(sums) == 1 for sums in seen.values()), seen
     assert len({s for sums in seen.values() for s in sums}) == 4  # the weights did change
     assert list(out.versions) == sorted(out.versions) and out.versions[-1] == 3
+
+
+def test_an_engine_on_the_trainers_tensors_repacks_them_at_each_sync(world, tiny_model_dir):
+    """The engine reads packed copies of the trainer's live tensors (packed_weights, on a CPU),
+    which the optimizer steps leave behind: after each sync it must generate what an engine
+    given a copy of the trainer's weights then generates."""
+    trainer = engine(tiny_model_dir)
+    pool = LocalEngine(tiny_model_dir, max_batch_size=4)
+    if not pool.pack_weights:
+        pool.close()
+        pytest.skip("this CPU's oneDNN packs no fp32 weights")
+    reqs = [GenerationRequest(input_ids=[5 + i, 6, 7], sampling=SamplingParams(
+        max_new_tokens=12, ignore_eos=True, seed=i)) for i in range(3)]
+    batch = fixed_batch(trainer.model.config.vocab_size)
+    try:
+        trainer.sync_weights(pool, 0)
+        for version in (1, 2):
+            trainer.train(batch, TokenNLL())
+            trainer.sync_weights(pool, version)
+            copy = LocalEngine(tiny_model_dir, max_batch_size=4)
+            try:
+                copy.update_weights(WeightUpdate(version=version, state_dict={
+                    k: t.clone() for k, t in trainer.full_state_dict().items()}))
+                expected = generate_together(copy, reqs)
+            finally:
+                copy.close()
+            for out, exp in zip(generate_together(pool, reqs), expected, strict=True):
+                assert out.token_ids == exp.token_ids
+                torch.testing.assert_close(torch.tensor(out.logprobs),
+                                           torch.tensor(exp.logprobs), atol=1e-5, rtol=0)
+    finally:
+        pool.close()
 
 
 def test_a_copied_update_after_sharing_leaves_the_trainers_tensors_alone(world, tiny_model_dir):
@@ -384,18 +417,21 @@ def test_the_memory_parts_are_the_weights_gradients_moments_and_the_engines_copi
     trainer = engine(tiny_model_dir)
     params = sum(p.numel() for p in trainer.model.parameters()) * 4 / 2**30  # fp32 master
     pool = LocalEngine(tiny_model_dir, dtype="float32")
+    # on a CPU the engine's linear layers read packed copies of their weights (packed_weights)
+    packed = pool.pack_weights * sum(m.weight.numel() * 4 for m in pool.model.modules()
+                                     if type(m) is torch.nn.Linear) / 2**30
     try:
         parts = memory_parts(trainer, pool)
         assert parts["memory/weights_gb"] == pytest.approx(params)
         assert parts["memory/gradients_gb"] == pytest.approx(params)  # every weight is trained
         assert parts["memory/optimizer_gb"] == 0  # AdamW makes its moments at the first step
-        assert parts["memory/engine_gb"] == pytest.approx(pool.weight_bytes / 2**30)  # a copy
+        assert parts["memory/engine_gb"] == pytest.approx(pool.weight_bytes / 2**30 + packed)
         assert parts["memory/kv_cache_gb"] == 0  # no rows held
         trainer.train(fixed_batch(trainer.model.config.vocab_size), TokenNLL())
         trainer.sync_weights(pool, 1)  # the engine now reads the trainer's own tensors
         parts = memory_parts(trainer, pool)
         assert parts["memory/optimizer_gb"] == pytest.approx(2 * params)  # two moments
-        assert parts["memory/engine_gb"] == 0
+        assert parts["memory/engine_gb"] == pytest.approx(packed)  # the packed copies only
     finally:
         pool.close()
     bf16 = LocalEngine(tiny_model_dir, dtype="bfloat16")

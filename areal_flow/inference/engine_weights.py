@@ -98,11 +98,10 @@ class EngineWeights:
         self.repack()
 
     def repack(self) -> None:
-        """Repack after every change; `live` tensors (their owner changes them) stay unpacked."""
-        if self.pack and not self.shared:
+        """Repack after every change, `live` tensors too: their owner changes them in place and
+        pauses the engine until the next update, which repacks."""
+        if self.pack:
             packed_weights.pack(self.model)
-        else:
-            packed_weights.unpack(self.model)
 
     def _own_tensors(self) -> None:
         """Copy `live`-kept tensors before writing into them (never write into their owner's)."""
