@@ -36,7 +36,6 @@ def test_auto_takes_bf16_only_where_it_is_clearly_faster(monkeypatch, tiny_model
 
 def test_a_process_measures_each_shape_once_and_decode_probes_its_own_rows(monkeypatch,
                                                                            tiny_model_dir):
-    from areal_flow.inference import packed_weights
 
     calls = []
     monkeypatch.setattr(precision, "_seconds", lambda shape, device, budget=0.3, packed=False:
@@ -46,16 +45,14 @@ def test_a_process_measures_each_shape_once_and_decode_probes_its_own_rows(monke
         choose("auto", tiny_model_dir, purpose="train")
     choose("auto", tiny_model_dir, purpose="decode")
     # decode multiplies its 16 rows by one weight per layer (2 in the tiny model): read, not
-    # cached; its bf16 weights packed as the engine packs them, where it does
-    packs = packed_weights.available(torch.bfloat16, torch.device("cpu"))
-    assert calls == [((256, 96, 192, 1), False), ((16, 96, 192, 2), packs)]
+    # cached; its weights packed as the engine packs them, where it does
+    assert calls == [((256, 96, 192, 1), False), ((16, 96, 192, 2), True)]
 
 
-@pytest.mark.skipif(not precision._packable(torch.device("cpu")),
-                    reason="this CPU's oneDNN has no bf16 kernels: the engine packs nothing")
-def test_the_decode_probe_reads_bf16_weights_packed_as_the_engine_does(monkeypatch):
-    """Unpacked, a bf16 product re-lays its weight out on every call: the probe then took bf16
-    for slower than fp32 on a CPU where the engine's packed bf16 decodes twice as fast."""
+def test_the_decode_probe_reads_weights_packed_as_the_engine_does(monkeypatch):
+    """Unpacked, a product re-lays its weight out on every call: the probe then took bf16 for
+    slower than fp32 on a CPU where the engine's packed bf16 decodes twice as fast, and fp32
+    reads its weights packed in the engine too."""
     from areal_flow.inference import packed_weights
 
     packed = []
@@ -63,7 +60,10 @@ def test_the_decode_probe_reads_bf16_weights_packed_as_the_engine_does(monkeypat
     monkeypatch.setattr(packed_weights, "linear",
                         lambda weight, bias=None: packed.append(weight) or real(weight, bias))
     seconds = precision._seconds((16, 96, 192, 3), torch.device("cpu"), packed=True)
-    assert [(w.dtype, tuple(w.shape)) for w in packed] == [(torch.bfloat16, (192, 96))] * 3
+    expected = [dtype for dtype in (torch.float32, torch.bfloat16)
+                if packed_weights.available(dtype, torch.device("cpu"))]
+    assert [(w.dtype, tuple(w.shape)) for w in packed] == [
+        (dtype, (192, 96)) for dtype in expected for _ in range(3)]
     assert set(seconds) == {"float32", "bfloat16"} and min(seconds.values()) > 0
 
 

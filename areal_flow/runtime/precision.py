@@ -3,7 +3,7 @@
 Whether bf16 pays on a CPU cannot be told from its flags (AMX: 10x faster than fp32; emulated
 on AVX2: 150x slower), so `choose` times a GEMM of the model's hidden size by its MLP width in
 both dtypes, with a micro-batch's rows or, for decoding, a decode batch's against one weight per
-layer (bf16 prepacked as the engine reads it). On a GPU it is bf16, unmeasured."""
+layer (prepacked as the engine reads them). On a GPU it is bf16, unmeasured."""
 
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ def choose(dtype: str, model: str | Path, *, purpose: Literal["train", "decode"]
     k, n, layers = _sizes(model)
     layers = layers if purpose == "decode" else 1
     shape = (ROWS[purpose], k, n, max(1, min(layers, DECODE_BYTES // (4 * k * n))))
-    packed = purpose == "decode" and _packable(device)
+    packed = purpose == "decode"
     key = (str(device), shape, packed)
     if key not in _measured:
         _measured[key] = _seconds(shape, device, packed=packed)
@@ -112,12 +112,6 @@ def _sizes(model: str | Path) -> tuple[int, int, int]:
             getattr(config, "num_hidden_layers", 1))
 
 
-def _packable(device: torch.device) -> bool:
-    from areal_flow.inference import packed_weights
-
-    return packed_weights.available(torch.bfloat16, device)
-
-
 def _seconds(shape: tuple[int, int, int, int], device: torch.device, budget: float = 0.2,
              packed: bool = False, dtypes: tuple[str, ...] = DTYPES) -> dict[str, float]:
     """Each dtype's fastest pass of `shape`, taking turns (so load slows both alike) for `budget`
@@ -136,10 +130,11 @@ def _seconds(shape: tuple[int, int, int, int], device: torch.device, budget: flo
                                           out=torch.empty(m, n, dtype=getattr(torch, name),
                                                           device=device))
                         for w in weights]) for name in dtypes}
-    if packed:  # bf16 as the engine's linear layers read it
-        a, _ = products["bfloat16"]
-        products["bfloat16"] = (a, [packed_weights.linear(w.to(device, torch.bfloat16))
-                                    for w in weights])
+    for name in dtypes if packed else ():  # as the engine's linear layers read them
+        if packed_weights.available(getattr(torch, name), device):
+            a, _ = products[name]
+            products[name] = (a, [packed_weights.linear(w.to(device, getattr(torch, name)))
+                                  for w in weights])
     del weights
 
     def timed(name: str, repeat: int = 1) -> float:
