@@ -36,7 +36,6 @@ def test_auto_takes_bf16_only_where_it_is_clearly_faster(monkeypatch, tiny_model
 
 def test_a_process_measures_each_shape_once_and_decode_probes_its_own_rows(monkeypatch,
                                                                            tiny_model_dir):
-
     calls = []
     monkeypatch.setattr(precision, "_seconds", lambda shape, device, budget=0.3, packed=False:
                         calls.append((shape, packed)) or {"float32": 1e-3, "bfloat16": 1e-3})
