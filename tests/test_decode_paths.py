@@ -4,6 +4,7 @@ written out layer by layer (`decode_step`). The speed is in `benchmarks/decode.p
 
 from __future__ import annotations
 
+import functools
 import inspect
 import pytest
 import torch
@@ -382,6 +383,36 @@ def test_the_fused_decode_step_is_for_llama_family_models_on_a_cpu(tiny_model_di
     assert not decode_step.supports(gpt2, torch.device("cpu"))
     llama.model.layers[0].mlp.act_fn = torch.nn.GELU()  # another MLP: transformers' forward
     assert not decode_step.supports(llama, torch.device("cpu"))
+
+
+@pytest.mark.skipif(not packed_weights.available(torch.float32, torch.device("cpu")),
+                    reason="this CPU's oneDNN packs no fp32 weights")
+def test_fp32_packs_where_timed_faster_and_bf16_always(tiny_model_dir, monkeypatch):
+    """fp32 packing is chosen by timing packed products against `F.linear` at the model's hidden
+    size by MLP width (a fake packed product, slow or instant, decides it here); bf16 is never
+    timed; `pack_weights=True` packs whatever the timing says."""
+    import time as time_module
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    real, probe = packed_weights.linear, packed_weights._fp32_pays
+    monkeypatch.setattr(packed_weights, "_fp32_pays", functools.cache(probe.__wrapped__))
+    for slow, expected in ((True, False), (False, True)):
+        def fake(weight, bias=None, slow=slow):  # 2 ms a call, or nothing computed at all
+            forward = real(weight, bias)
+            return (lambda x: (time_module.sleep(0.002), forward(x))[1]) if slow else \
+                (lambda x: x)
+
+        monkeypatch.setattr(packed_weights, "linear", fake)
+        packed_weights._fp32_pays.cache_clear()  # the fake's timings stay in this test
+        assert packed_weights.pays(model) is expected
+    monkeypatch.setattr(packed_weights, "_fp32_pays", lambda *shape: False)
+    assert packed_weights.pays(model.to(torch.bfloat16))
+    engines = [LocalEngine(tiny_model_dir, pack_weights=pack) for pack in (None, True)]
+    try:
+        assert [e.pack_weights for e in engines] == [False, True]
+    finally:
+        for e in engines:
+            e.close()
 
 
 def test_packing_is_for_fp32_and_bf16_on_a_cpu_only():

@@ -196,7 +196,8 @@ def test_an_engine_on_the_trainers_tensors_repacks_them_at_each_sync(world, tiny
     which the optimizer steps leave behind: after each sync it must generate what an engine
     given a copy of the trainer's weights then generates."""
     trainer = engine(tiny_model_dir)
-    pool = LocalEngine(tiny_model_dir, max_batch_size=4)
+    # packed even where the tiny model's small products would not pay (`packed_weights.pays`)
+    pool = LocalEngine(tiny_model_dir, max_batch_size=4, pack_weights=True)
     if not pool.pack_weights:
         pool.close()
         pytest.skip("this CPU's oneDNN packs no fp32 weights")

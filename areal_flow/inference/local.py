@@ -73,7 +73,8 @@ class LocalEngine:
         threads: intra-op threads of the engine thread (None: torch's default).
         share_prefix, kv_slots, pack_weights, grouped_attention, fused_decode: speed-ups, off
             only for comparisons (a group's prompt prefilled once; `kv_batch`, `packed_weights`,
-            `grouped_attention`, `decode_step`: 1.06x in bf16)."""
+            `grouped_attention`, `decode_step`: 1.06x in bf16). pack_weights None: where
+            `packed_weights.pays` (fp32: timed); True: wherever oneDNN packs the dtype."""
 
     def __init__(
         self,
@@ -87,7 +88,7 @@ class LocalEngine:
         share_prefix: bool = True,
         threads: int | None = None,
         kv_slots: bool = True,
-        pack_weights: bool = True,
+        pack_weights: bool | None = None,
         grouped_attention: bool = True,
         fused_decode: bool = True,
     ):
@@ -111,8 +112,8 @@ class LocalEngine:
             else "past_key_values"
         self.max_batch_size = max_batch_size
         self.share_prefix = share_prefix
-        self.pack_weights = pack_weights and packed_weights.available(self.model.dtype,
-                                                                      self.device)
+        self.pack_weights = pack_weights is not False and packed_weights.available(
+            self.model.dtype, self.device) and (pack_weights or packed_weights.pays(self.model))
         self.grouped_attention = grouped_attention and \
             grouped_attention_module.available(self.model, self.device)
         if self.grouped_attention:
