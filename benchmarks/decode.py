@@ -171,8 +171,9 @@ def run(quick: bool = False) -> dict:
                 times = {"bare": in_own_thread(bare, path, dtype, batch, steps)}
                 attention = {"bare": None}
                 for label, options in OPTIONS.items():
-                    if "pack" in label and dtype != "bfloat16":
-                        continue  # packing is for bf16 only
+                    if "pack" in label and not packed_weights.available(getattr(torch, dtype),
+                                                                         torch.device("cpu")):
+                        continue  # this CPU's oneDNN packs no weights of this dtype
                     times[label], attention[label] = in_own_thread(engine, path, dtype, batch,
                                                                    steps, **options)
                 base = statistics.median(times["bare"])
