@@ -394,8 +394,8 @@ def test_fp32_packs_where_timed_faster_and_bf16_always(tiny_model_dir, monkeypat
     import time as time_module
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    real, probe = packed_weights.linear, packed_weights._fp32_pays
-    monkeypatch.setattr(packed_weights, "_fp32_pays", functools.cache(probe.__wrapped__))
+    real, probe = packed_weights.linear, packed_weights.fp32_pays
+    monkeypatch.setattr(packed_weights, "fp32_pays", functools.cache(probe.__wrapped__))
     for slow, expected in ((True, False), (False, True)):
         def fake(weight, bias=None, slow=slow):  # 2 ms a call, or nothing computed at all
             forward = real(weight, bias)
@@ -403,9 +403,9 @@ def test_fp32_packs_where_timed_faster_and_bf16_always(tiny_model_dir, monkeypat
                 (lambda x: x)
 
         monkeypatch.setattr(packed_weights, "linear", fake)
-        packed_weights._fp32_pays.cache_clear()  # the fake's timings stay in this test
+        packed_weights.fp32_pays.cache_clear()  # the fake's timings stay in this test
         assert packed_weights.pays(model) is expected
-    monkeypatch.setattr(packed_weights, "_fp32_pays", lambda *shape: False)
+    monkeypatch.setattr(packed_weights, "fp32_pays", lambda *shape: False)
     assert packed_weights.pays(model.to(torch.bfloat16))
     engines = [LocalEngine(tiny_model_dir, pack_weights=pack) for pack in (None, True)]
     try:

@@ -51,11 +51,12 @@ def pays(model: torch.nn.Module) -> bool:
         return True
     config = model.config
     width = getattr(config, "intermediate_size", None) or 4 * config.hidden_size
-    return _fp32_pays(config.hidden_size, width, getattr(config, "num_hidden_layers", 1))
+    return fp32_pays(config.hidden_size, width, getattr(config, "num_hidden_layers", 1))
 
 
 @functools.cache  # once a process per shape: engines of one model then decode alike
-def _fp32_pays(hidden: int, width: int, layers: int) -> bool:
+def fp32_pays(hidden: int, width: int, layers: int) -> bool:
+    """Whether packed fp32 products of `layers` (hidden x width) weights beat `F.linear`."""
     count = max(1, min(layers, PROBE_BYTES // (4 * hidden * width)))
     g = torch.Generator().manual_seed(0)
     x = torch.randn(BATCH_HINT, hidden, generator=g)

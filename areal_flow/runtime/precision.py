@@ -131,7 +131,9 @@ def _seconds(shape: tuple[int, int, int, int], device: torch.device, budget: flo
                                                           device=device))
                         for w in weights]) for name in dtypes}
     for name in dtypes if packed else ():  # as the engine's linear layers read them
-        if packed_weights.available(getattr(torch, name), device):
+        dtype = getattr(torch, name)
+        if packed_weights.available(dtype, device) and (
+                dtype != torch.float32 or packed_weights.fp32_pays(k, n, count)):
             a, _ = products[name]
             products[name] = (a, [packed_weights.linear(w.to(device, getattr(torch, name)))
                                   for w in weights])
