@@ -153,15 +153,17 @@ def areal_flow_worker(p: dict, eta: int) -> dict:
                 rolled = time.perf_counter()
                 # as the recipe: the engine makes no step while this trains and syncs (unless
                 # asked; `sync_hosted` False: the sync after the engine's thread restarted)
+                def sync(version: int = step + 1) -> None:
+                    trainer.sync_weights(engine, version)
+                    scheduler.set_version(version)
+
                 with hosting(engine, not p.get("decode_while_training", False)):
                     stats = trainer.train(batch, algorithm)
                     trained = time.perf_counter()
                     if p.get("sync_hosted", True):
-                        trainer.sync_weights(engine, step + 1)
-                        scheduler.set_version(step + 1)
+                        sync()
                 if not p.get("sync_hosted", True):
-                    trainer.sync_weights(engine, step + 1)
-                    scheduler.set_version(step + 1)
+                    sync()
                 stamps.append(time.perf_counter())
                 completion = batch["loss_mask"].sum(-1)
                 lag = (batch["policy_version"][:, None] - batch["versions"])[batch["loss_mask"]]

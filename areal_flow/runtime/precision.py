@@ -135,8 +135,7 @@ def _seconds(shape: tuple[int, int, int, int], device: torch.device, budget: flo
         if packed_weights.available(dtype, device) and (
                 dtype != torch.float32 or packed_weights.fp32_pays(k, n, count)):
             a, _ = products[name]
-            products[name] = (a, [packed_weights.linear(w.to(device, getattr(torch, name)))
-                                  for w in weights])
+            products[name] = (a, [packed_weights.linear(w.to(device, dtype)) for w in weights])
     del weights
 
     def timed(name: str, repeat: int = 1) -> float:
