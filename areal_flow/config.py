@@ -52,14 +52,11 @@ class RolloutConfig:
             raise ValueError(f"'filter_flat_groups' needs group_size >= 2: a group of "
                              f"{self.group_size} is always flat")
         if self.min_group_size > self.group_size:
-            raise ValueError(
-                f"'min_group_size' must be <= group_size ({self.group_size}): {self.min_group_size}"
-            )
+            raise ValueError(f"'min_group_size' must be <= group_size ({self.group_size}): "
+                             f"{self.min_group_size}")
         if self.max_concurrent < self.group_size:
-            raise ValueError(
-                f"'max_concurrent' must be >= group_size ({self.group_size}), or no prompt could "
-                f"ever be admitted: {self.max_concurrent}"
-            )
+            raise ValueError(f"'max_concurrent' must be >= group_size ({self.group_size}), or no "
+                             f"prompt could ever be admitted: {self.max_concurrent}")
 
 
 @attrs.frozen(kw_only=True)
@@ -72,13 +69,11 @@ class PolicyLossConfig:
     """Upper clip range (DAPO clip-higher); None uses eps_clip."""
     dual_clip: float | None = attrs.field(default=None, validator=v.optional(v.gt(1.0)))
     """Dual-clip factor c > 1 bounding the loss of negative-advantage tokens; None disables it."""
-    importance_weight_cap: float | None = attrs.field(
-        default=5.0, validator=v.optional(v.gt(1.0))
-    )
+    importance_weight_cap: float | None = attrs.field(default=5.0,
+                                                      validator=v.optional(v.gt(1.0)))
     """Cap on the decoupled importance weight pi_prox / pi_behav; None leaves it uncapped."""
     aggregation: Literal["token", "sequence"] = attrs.field(
-        default="token", validator=v.in_(("token", "sequence"))
-    )
+        default="token", validator=v.in_(("token", "sequence")))
     """Average the loss over all tokens of the batch, or per sequence first."""
     recompute_proximal: bool = True
     """Recompute pi_prox by a forward pass; False approximates it (F.interpolate_proximal)."""
@@ -108,8 +103,7 @@ class OptimizerConfig:
     weight_decay: float = attrs.field(default=0.0, validator=v.ge(0.0))
     """Decoupled weight decay."""
     betas: tuple[float, float] = attrs.field(
-        default=(0.9, 0.999), validator=v.deep_iterable(v.and_(v.ge(0.0), v.lt(1.0)))
-    )
+        default=(0.9, 0.999), validator=v.deep_iterable(v.and_(v.ge(0.0), v.lt(1.0))))
     """AdamW betas, each in [0, 1)."""
     warmup_steps: int = attrs.field(default=0, validator=v.ge(0))
     """Steps of linear warmup from 0 to lr."""
@@ -119,6 +113,30 @@ class OptimizerConfig:
     default)."""
     max_grad_norm: float = attrs.field(default=1.0, validator=v.gt(0.0))
     """Gradients are clipped to this global norm; a non-finite norm skips the step."""
+
+
+@attrs.frozen(kw_only=True)
+class LoraConfig:
+    """`--train.lora.*`: train low-rank adapters instead of every weight."""
+
+    rank: int = attrs.field(default=0, validator=v.ge(0))
+    """Adapter rank r; 0 trains every weight (no LoRA)."""
+    alpha: float = attrs.field(default=32.0, validator=v.gt(0))
+    """The update to a weight is alpha / rank * B @ A."""
+    target_modules: tuple[str, ...] = attrs.field(default=("all-linear",),
+                                                  validator=v.min_len(1))
+    """Module names that get adapters (q_proj v_proj ...), or all-linear (all but the LM head)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    def peft_dict(self) -> dict[str, Any]:
+        """The adapter's PEFT config, before it is resolved against a model."""
+        targets = "all-linear" if self.target_modules == ("all-linear",) \
+            else list(self.target_modules)
+        return {"peft_type": "LORA", "r": self.rank, "lora_alpha": self.alpha,
+                "target_modules": targets, "lora_dropout": 0.0, "bias": "none"}
 
 
 _converter = cattrs.Converter(forbid_extra_keys=True)
@@ -190,14 +208,10 @@ def structure(cls: type[T], data: dict[str, Any]) -> T:
     try:
         return _converter.structure(data, cls)
     except (cattrs.BaseValidationError, ValueError, TypeError) as exc:
-        problems = (
-            cattrs.transform_error(exc, path=cls.__name__, format_exception=_describe)
-            if isinstance(exc, cattrs.BaseValidationError)
-            else [str(exc)]
-        )
-        raise ConfigError(
-            f"invalid {cls.__name__}:\n" + "\n".join(f"  - {p}" for p in problems)
-        ) from None
+        problems = cattrs.transform_error(exc, path=cls.__name__, format_exception=_describe) \
+            if isinstance(exc, cattrs.BaseValidationError) else [str(exc)]
+        raise ConfigError(f"invalid {cls.__name__}:\n" + "\n".join(f"  - {p}" for p in problems)) \
+            from None
 
 
 def load(cls: type[T], path: str | Path) -> T:

@@ -122,7 +122,7 @@ class EvalPlan:
 def prepare(cfg: EvalConfig) -> EvalPlan:
     """Check names, rows and model before any weights load (errors name the option)."""
     from areal_flow import registry, rl_recipes
-    from areal_flow.data import offline
+    from areal_flow.data import offline, packaged
 
     rl = rl_recipes.RLConfig(
         model=cfg.model, dataset=cfg.dataset, workflow=cfg.workflow, reward=cfg.reward,
@@ -141,7 +141,7 @@ def prepare(cfg: EvalConfig) -> EvalPlan:
     rows = rows[:cfg.limit]
     if not rows:
         raise ValueError(f"--split {cfg.split}: no rows (--eval-size {cfg.eval_size})")
-    model = cfg.model or str(offline.packaged_smollm2())
+    model = cfg.model or str(packaged.packaged_smollm2())
     rl_recipes.check_model(rl, model)
     task = rl_recipes.run_name(rl).removesuffix(f"_{rl.algorithm_name}")
     out = Path(cfg.out or Path("evals") / f"{task}-{datetime.now():%Y%m%d-%H%M%S}.jsonl")

@@ -12,37 +12,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import attrs
 import torch
-from attrs import validators as v
+
+from areal_flow.config import LoraConfig  # noqa: F401 - its config, in the light module
 
 ADAPTER = "default"
 """peft's name for the one adapter a model carries here."""
 _SAVED_PREFIX = "base_model.model."
-
-
-@attrs.frozen(kw_only=True)
-class LoraConfig:
-    """`--train.lora.*`: train low-rank adapters instead of every weight."""
-
-    rank: int = attrs.field(default=0, validator=v.ge(0))
-    """Adapter rank r; 0 trains every weight (no LoRA)."""
-    alpha: float = attrs.field(default=32.0, validator=v.gt(0))
-    """The update to a weight is alpha / rank * B @ A."""
-    target_modules: tuple[str, ...] = attrs.field(default=("all-linear",),
-                                                  validator=v.min_len(1))
-    """Module names that get adapters (q_proj v_proj ...), or all-linear (all but the LM head)."""
-
-    @property
-    def enabled(self) -> bool:
-        return self.rank > 0
-
-    def peft_dict(self) -> dict[str, Any]:
-        """The adapter's PEFT config, before it is resolved against a model."""
-        targets = "all-linear" if self.target_modules == ("all-linear",) \
-            else list(self.target_modules)
-        return {"peft_type": "LORA", "r": self.rank, "lora_alpha": self.alpha,
-                "target_modules": targets, "lora_dropout": 0.0, "bias": "none"}
 
 
 def add_adapters(model: torch.nn.Module, config: Mapping[str, Any]) -> dict[str, Any]:

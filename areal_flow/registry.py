@@ -86,10 +86,8 @@ class Registry:
             old = self._local.get(name)
             # Re-running the same definition (a reloaded module, a notebook cell) replaces it.
             if old is not None and _where(_target(old)) != _where(target):
-                raise DuplicateNameError(
-                    f"{self.kind} {name!r} is registered twice: by {_where(_target(old))} "
-                    f"and by {_where(target)}"
-                )
+                raise DuplicateNameError(f"{self.kind} {name!r} is registered twice: by "
+                                         f"{_where(_target(old))} and by {_where(target)}")
             self._local[name] = entry
             self._loaded.pop(name, None)
         if entry is not target:
@@ -158,10 +156,8 @@ class Registry:
     def _load_entry_point(self, name: str, eps: list[EntryPoint]) -> Any:
         if len(eps) > 1:
             sources = " and ".join(f"{_distribution(ep)} ({ep.value})" for ep in eps)
-            raise DuplicateNameError(
-                f"{self.kind} {name!r} is announced by two distributions: {sources}; "
-                "uninstall one of them or rename its entry point"
-            )
+            raise DuplicateNameError(f"{self.kind} {name!r} is announced by two distributions: "
+                                     f"{sources}; uninstall one of them or rename its entry point")
         ep = eps[0]
         try:
             obj = ep.load()
@@ -174,16 +170,14 @@ class Registry:
             ) from exc
         entry = self._coerce(name, obj)
         if entry is not obj and entry.name != name:
-            raise RegistryError(
-                f"entry point {name!r} of {_distribution(ep)} points at a {self.kind} decorated "
-                f"as {entry.name!r}; the two names must match"
-            )
+            raise RegistryError(f"entry point {name!r} of {_distribution(ep)} points at a "
+                                f"{self.kind} decorated as {entry.name!r}; the two names must "
+                                "match")
         local = self._local.get(name)
         if local is not None and _where(_target(local)) != _where(_target(entry)):
-            raise DuplicateNameError(
-                f"{self.kind} {name!r} is announced by {_distribution(ep)} ({ep.value}) and "
-                f"also registered in-process by {_where(_target(local))}"
-            )
+            raise DuplicateNameError(f"{self.kind} {name!r} is announced by {_distribution(ep)} "
+                                     f"({ep.value}) and also registered in-process by "
+                                     f"{_where(_target(local))}")
         return entry
 
     def _load_path(self, path: str) -> Any:
@@ -193,9 +187,8 @@ class Registry:
             for part in attr_path.split("."):
                 obj = getattr(obj, part)
         except (ImportError, AttributeError) as exc:
-            raise UnknownNameError(
-                f"{self.kind} path {path!r} could not be imported: {type(exc).__name__}: {exc}"
-            ) from exc
+            raise UnknownNameError(f"{self.kind} path {path!r} could not be imported: "
+                                   f"{type(exc).__name__}: {exc}") from exc
         return self._coerce(path, obj)
 
     def _unknown_message(self, name: str) -> str:
@@ -207,13 +200,11 @@ class Registry:
         return msg + " (a 'package.module:attribute' path also works)"
 
 
-workflows = Registry(
-    "workflow", "areal_flow.workflows", lambda name, fn: WorkflowSpec(name=name, fn=fn)
-)
+workflows = Registry("workflow", "areal_flow.workflows",
+                     lambda name, fn: WorkflowSpec(name=name, fn=fn))
 rewards = Registry("reward", "areal_flow.rewards", lambda name, fn: RewardSpec(name=name, fn=fn))
-algorithms = Registry(
-    "algorithm", "areal_flow.algorithms", lambda name, cls: AlgorithmSpec(name=name, cls=cls)
-)
+algorithms = Registry("algorithm", "areal_flow.algorithms",
+                      lambda name, cls: AlgorithmSpec(name=name, cls=cls))
 generation_pools = Registry("generation pool", "areal_flow.generation_pools")
 loggers = Registry("logger", "areal_flow.loggers")
 environments = Registry("environment", "areal_flow.environments")

@@ -18,7 +18,6 @@ from typing import Any
 
 import torch.distributed as dist
 
-from areal_flow.data import offline
 from areal_flow.live_display import LiveDisplay
 from areal_flow.run import RunConfig, RunDir
 from areal_flow.stop_request import StopRequest
@@ -39,8 +38,8 @@ class Session:
         self._closing.callback(shutdown_distributed)
         self._closing.callback(self.run.close)
         dist.barrier()  # every rank has checked the folder before rank 0 writes into it
-        self.model: str = same_on_all_ranks(
-            cfg.model or (str(offline.packaged_smollm2()) if self.rank == 0 else None))
+        self.model: str = same_on_all_ranks(cfg.model or (_packaged_model() if self.rank == 0
+                                                          else None))
         """The model's folder or hub id (default: the packaged SmolLM2-135M-Instruct)."""
         self.start = 0
         """The first step to train: 0, or the step of the checkpoint a resume loaded."""
@@ -134,3 +133,9 @@ class Session:
         """Every rank: saves the `resume` models and `saved_also()` as the state after `step`."""
         self.run.save_checkpoint(step, self._trainer, critic=self._critic,
                                  tokenizer_from=self.model, extra=self.saved_also())
+
+
+def _packaged_model() -> str:
+    from areal_flow.data.packaged import packaged_smollm2
+
+    return str(packaged_smollm2())

@@ -22,16 +22,8 @@ NormalizerUnit = Literal["tokens", "sequences", "constant"]
 
 Role = Literal["actor", "ref", "critic", "teacher"]
 
-BATCH_KEYS = (
-    "input_ids",
-    "attention_mask",
-    "loss_mask",
-    "logprobs",
-    "versions",
-    "rewards",
-    "group_ids",
-    "temperature",
-)
+BATCH_KEYS = ("input_ids", "attention_mask", "loss_mask", "logprobs", "versions", "rewards",
+              "group_ids", "temperature")
 """Keys every training batch carries (docs/architecture.md, "Batches")."""
 
 
@@ -161,10 +153,8 @@ class WeightUpdate:
     def __attrs_post_init__(self) -> None:
         given = [f for f in ("state_dict", "path", "dist_meta") if getattr(self, f) is not None]
         if len(given) != 1:
-            raise ValueError(
-                "a WeightUpdate carries exactly one of 'state_dict', 'path', 'dist_meta'; "
-                f"got {given or 'none'}"
-            )
+            raise ValueError("a WeightUpdate carries exactly one of 'state_dict', 'path', "
+                             f"'dist_meta'; got {given or 'none'}")
 
 
 @runtime_checkable
@@ -242,13 +232,8 @@ class Episode:
     """Cut, not ended (token budget, env or turn limit): value-based advantages bootstrap."""
 
     @classmethod
-    def start(
-        cls,
-        prompt_ids: Sequence[int],
-        completion: Completion | None = None,
-        *,
-        reward: float | None = None,
-    ) -> Episode:
+    def start(cls, prompt_ids: Sequence[int], completion: Completion | None = None, *,
+              reward: float | None = None) -> Episode:
         ep = cls(segments=[Segment.environment(prompt_ids)], reward=reward)
         if completion is not None:
             ep.add(completion)
@@ -257,21 +242,13 @@ class Episode:
     def add(self, completion: Completion) -> Episode:
         """Append model tokens: trainable, with their logprobs and versions."""
         if self.temperature is not None and completion.temperature != self.temperature:
-            raise ValueError(
-                f"an episode mixes logprob temperatures {self.temperature} and "
-                f"{completion.temperature}; the trainer recomputes logprobs at one temperature "
-                "per episode"
-            )
+            raise ValueError(f"an episode mixes logprob temperatures {self.temperature} and "
+                             f"{completion.temperature}; the trainer recomputes logprobs at one "
+                             "temperature per episode")
         self.temperature = completion.temperature
         self.truncated = completion.finish_reason == "length"
-        self.segments.append(
-            Segment(
-                token_ids=completion.token_ids,
-                trainable=True,
-                logprobs=completion.logprobs,
-                versions=completion.versions,
-            )
-        )
+        self.segments.append(Segment(token_ids=completion.token_ids, trainable=True,
+                                     logprobs=completion.logprobs, versions=completion.versions))
         return self
 
     def add_tokens(self, token_ids: Sequence[int]) -> Episode:

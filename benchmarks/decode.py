@@ -72,7 +72,7 @@ def smollm2(tmp: Path) -> tuple[str, Path]:
     """SmolLM2-135M-Instruct's packaged weights when the `demo` extra is installed, else a random
     model of its shape (the speed is the same)."""
     try:
-        from areal_flow.data.offline import packaged_smollm2
+        from areal_flow.data.packaged import packaged_smollm2
 
         return "SmolLM2-135M-Instruct", Path(packaged_smollm2())
     except Exception:  # noqa: BLE001 - the extra is optional

@@ -39,7 +39,7 @@ def problems(quick: bool, tmp: Path, smollm2_steps: int, default_shape: bool = F
     out = [{"name": "tiny", "model": str(build_tiny_model(tmp / "tiny")), "prompts": 4,
             "group": 4, "max_new_tokens": 16, "lr": 1e-2, "steps": 30, "rows": 50, "seed": 0}]
     if not quick:
-        from areal_flow.data.offline import packaged_smollm2
+        from areal_flow.data.packaged import packaged_smollm2
 
         out.append({"name": "smollm2", "model": str(packaged_smollm2()), "prompts": 2,
                     "group": 4, "max_new_tokens": 64, "lr": 2e-5, "steps": smollm2_steps,
@@ -59,7 +59,7 @@ def target_fraction(ids) -> float:
 
 
 def gsm8k_rows(n: int) -> list[dict]:
-    from areal_flow.data.offline import gsm8k_offline_split
+    from areal_flow.data.packaged import gsm8k_offline_split
 
     train, _, _ = gsm8k_offline_split(16)  # the recipe's default split
     return train[:n]

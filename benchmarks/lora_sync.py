@@ -49,7 +49,7 @@ def run(quick: bool) -> dict:
 
             model, name = build_tiny_model(Path(tmp) / "tiny"), "tiny"
         else:
-            from areal_flow.data.offline import packaged_smollm2
+            from areal_flow.data.packaged import packaged_smollm2
 
             model, name = packaged_smollm2(), "SmolLM2-135M"
         rows = []

@@ -365,7 +365,7 @@ def run(p: dict, seeds: Sequence[int]) -> dict:
     import transformers
     import trl
 
-    from areal_flow.data.offline import packaged_smollm2
+    from areal_flow.data.packaged import packaged_smollm2
 
     p = {**p, "model": str(packaged_smollm2())}
     runs = []

@@ -26,6 +26,7 @@ OPTIONAL = {
     "areal_flow.protocol_server": "the SGLang-protocol server (`areal-flow serve`)",
     "areal_flow.testing": "the reward contract kit ([contract]), the tiny test model",
     "areal_flow.data.reasoning_gym": "reasoning-gym rows ([reasoning-gym])",
+    "areal_flow.data.packaged": "the offline demo's SmolLM2 and GSM8K file ([demo])",
     "areal_flow.reward.reasoning_gym": "reasoning-gym's reward ([reasoning-gym])",
     "areal_flow.loggers": "trackers: tensorboard, wandb ([trackers])",
     "areal_flow.cli": "the `areal-flow` commands",
@@ -46,6 +47,8 @@ DOORS = {
     ("areal_flow.rl_recipes", "areal_flow.launch.allocation"): "a run given --allocation",
     ("areal_flow.rl_recipes", "areal_flow.extra_algorithms.distill"):
         "a run given --teacher: the teacher's tokenizer checked against --model's",
+    ("areal_flow.session", "areal_flow.data.packaged"): "a run that leaves --model unset",
+    ("areal_flow.data.offline", "areal_flow.data.packaged"): "a run that leaves --dataset unset",
 }
 
 

@@ -32,23 +32,19 @@ def collate_groups(groups: Sequence[Sequence[Episode]], pad_token_id: int = 0) -
     lengths = torch.tensor([ep.num_tokens for _, ep in rows])
     metrics = {name: torch.tensor([float(ep.metrics.get(name, math.nan)) for _, ep in rows])
                for name in sorted({name for _, ep in rows for name in ep.metrics})}
-    return TensorDict(
-        {
-            # the task's numbers per row, NaN where an episode did not report one
-            "metrics": TensorDict(metrics, batch_size=[n]),
-            # free-form, for samples.jsonl; train() leaves it and `metrics` on rank 0
-            "info": NonTensorStack(*(ep.info for _, ep in rows)),
-            "input_ids": padded("token_ids", torch.long, pad_token_id),
-            "attention_mask": torch.arange(int(lengths.max())) < lengths[:, None],
-            "loss_mask": padded("loss_mask", torch.bool, False),
-            "logprobs": padded("logprobs", torch.float32, 0.0),
-            "versions": padded("versions", torch.long, -1),
-            "rewards": torch.tensor([ep.reward for _, ep in rows], dtype=torch.float32),
-            "group_ids": torch.tensor([gid for gid, _ in rows], dtype=torch.long),
-            "truncated": torch.tensor([ep.truncated for _, ep in rows], dtype=torch.bool),
-            # a prompt-only episode never sampled, so its logprobs are all masked; T=1 is neutral
-            "temperature": torch.tensor([ep.temperature or 1.0 for _, ep in rows],
-                                        dtype=torch.float32),
-        },
-        batch_size=[n],
-    )
+    return TensorDict({
+        # the task's numbers per row, NaN where an episode did not report one
+        "metrics": TensorDict(metrics, batch_size=[n]),
+        # free-form, for samples.jsonl; train() leaves it and `metrics` on rank 0
+        "info": NonTensorStack(*(ep.info for _, ep in rows)),
+        "input_ids": padded("token_ids", torch.long, pad_token_id),
+        "attention_mask": torch.arange(int(lengths.max())) < lengths[:, None],
+        "loss_mask": padded("loss_mask", torch.bool, False),
+        "logprobs": padded("logprobs", torch.float32, 0.0),
+        "versions": padded("versions", torch.long, -1),
+        "rewards": torch.tensor([ep.reward for _, ep in rows], dtype=torch.float32),
+        "group_ids": torch.tensor([gid for gid, _ in rows], dtype=torch.long),
+        "truncated": torch.tensor([ep.truncated for _, ep in rows], dtype=torch.bool),
+        # a prompt-only episode never sampled, so its logprobs are all masked; T=1 is neutral
+        "temperature": torch.tensor([ep.temperature or 1.0 for _, ep in rows],
+                                    dtype=torch.float32)}, batch_size=[n])

