@@ -11,15 +11,10 @@ from areal_flow.types import RewardSpec
 F = TypeVar("F", bound=Callable[..., object])
 
 
-def reward(
-    name: str,
-    *,
-    timeout: float = 10.0,
-    default: float = 0.0,
-    range: tuple[float, float] = (0.0, 1.0),  # noqa: A002 - the contract's own word
-    metrics: Callable[..., dict[str, float]] | None = None,
-    rates: tuple[str, ...] = (),
-) -> Callable[[F], F]:
+def reward(name: str, *, timeout: float = 10.0, default: float = 0.0,
+           range: tuple[float, float] = (0.0, 1.0),  # noqa: A002 - the contract's own word
+           metrics: Callable[..., dict[str, float]] | None = None,
+           rates: tuple[str, ...] = ()) -> Callable[[F], F]:
     """Register ``fn(completion: str, **kwargs) -> float`` (sync or async) as reward `name`.
 
     It runs in a worker process, so it must be defined at the top level of a module. A call that

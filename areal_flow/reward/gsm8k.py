@@ -7,24 +7,20 @@ and trailing decimal zeros are ignored (``$1,234.00`` equals ``1234``); only ASC
 from __future__ import annotations
 
 import re
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 
 from areal_flow.reward import reward
 
-_NUMBER = re.compile(
-    r"(-)?\s?\$?\s?((?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)\s?%?", re.ASCII
-)
+_NUMBER = re.compile(r"(-)?\s?\$?\s?((?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)\s?%?",
+                     re.ASCII)
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 _CALCULATION = re.compile(r"\d\s*[-+*/×÷x]\s*\$?\d[\d,.]*\s*%?\s*=\s*\$?\s*-?\d", re.ASCII)
 """One worked step: a number, an operator, a number, '=' and a number (``8 * 9 = 72``)."""
 
 
-def _to_decimal(match: re.Match[str]) -> Decimal | None:
-    try:
-        value = Decimal((match.group(1) or "") + match.group(2).replace(",", ""))
-    except InvalidOperation:
-        return None
-    return value if value.is_finite() else None
+def _to_decimal(match: re.Match[str]) -> Decimal:
+    # `_NUMBER` matches only ASCII digits with an optional point: always a finite Decimal
+    return Decimal((match.group(1) or "") + match.group(2).replace(",", ""))
 
 
 def _first_number(text: str) -> Decimal | None:

@@ -27,12 +27,8 @@ from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from concurrent.futures.process import BrokenProcessPool
 from multiprocessing import forkserver, popen_forkserver, spawn, util
-from multiprocessing.context import (
-    ForkServerContext,
-    ForkServerProcess,
-    reduction,
-    set_spawning_popen,
-)
+from multiprocessing.context import (ForkServerContext, ForkServerProcess, reduction,
+                                    set_spawning_popen)
 from typing import Any
 
 from pebble import ProcessExpired, ProcessPool
@@ -57,16 +53,13 @@ def resolve(reward: str | Callable[..., Any] | RewardSpec) -> RewardSpec:
     return RewardSpec(name=getattr(reward, "__qualname__", repr(reward)), fn=reward)
 
 
-def _importable_path(spec: RewardSpec, fn: Callable[..., Any] | None = None) -> str:
-    """Where a worker process imports the reward (or `fn`, its metrics) from."""
-    fn = spec.fn if fn is None else fn
+def _importable_path(spec: RewardSpec, fn: Callable[..., Any]) -> str:
+    """Where a worker process imports `fn`, the reward `spec` or its metrics, from."""
     module, qualname = fn.__module__, fn.__qualname__
     if module == "__main__" or "<" in qualname:  # <locals>, <lambda>
         what = "reward" if fn is spec.fn else "metrics function of reward"
-        raise ValueError(
-            f"{what} {spec.name!r} ({module}:{qualname}) cannot be imported by a worker process; "
-            "define it at the top level of a module"
-        )
+        raise ValueError(f"{what} {spec.name!r} ({module}:{qualname}) cannot be imported by a "
+                         "worker process; define it at the top level of a module")
     return f"{module}:{qualname}"
 
 
@@ -82,15 +75,11 @@ def _call_in_worker(path: str, package: str, args: tuple, kwargs: dict,
     # An async reward gets a loop of its own here, where the timeout can kill blocking code.
     value = asyncio.run(value) if inspect.iscoroutine(value) else value
     found = None if metrics is None else task_metrics(rewards.get(metrics), args, kwargs)
-    return value, found, worker_rss()  # the caller recycles a worker grown past its limit
-
-
-def worker_rss() -> int:
-    """This process's resident bytes now (Linux's /proc; else its peak)."""
-    try:
-        return rss_bytes()
-    except (OSError, ValueError):
-        return int(peak_rss_gb() * 2**30)
+    try:  # the caller recycles a worker grown past its limit
+        rss = rss_bytes()
+    except (OSError, ValueError):  # no Linux /proc: the worker's peak
+        rss = int(peak_rss_gb() * 2**30)
+    return value, found, rss
 
 
 class _WorkerPopen(popen_forkserver.Popen):
@@ -179,7 +168,7 @@ class RewardRunner:
             raise TypeError(f"reward {spec.name!r} cannot take the arguments it is called with "
                             f"({exc}); accept them (e.g. **kwargs) or pick another reward: "
                             f"keywords {sorted(kwargs)}") from None
-        path = _importable_path(spec)
+        path = _importable_path(spec, spec.fn)
         # the metrics run in the worker too, after the reward, under the same timeout
         metrics = _importable_path(spec, spec.metrics) \
             if with_metrics and spec.metrics is not None else None
@@ -219,15 +208,14 @@ class RewardRunner:
             recent = self._recent.setdefault(spec.name, deque(maxlen=FAILURE_WINDOW))
             recent.append(outcome != "ok")
             failed, judged = sum(recent), len(recent)
-        if outcome == "ok":
-            return score, found
-        if judged >= FAILURE_WINDOW // 2 and failed > self.max_failure_rate * judged:
-            raise RewardFailureError(
-                f"reward {spec.name!r} failed on {failed} of its last {judged} calls, more "
-                f"than the limit of {self.max_failure_rate:.0%} (--reward-failure-limit); last "
-                f"failure: {what}. Fix the reward, or raise the limit (1 never stops)")
-        log.warning("reward %r: %s; %s", spec.name, what, "no metrics recorded"
-                    if outcome == "metrics_errors" else f"scored its default {spec.default}")
+        if outcome != "ok":
+            if judged >= FAILURE_WINDOW // 2 and failed > self.max_failure_rate * judged:
+                raise RewardFailureError(
+                    f"reward {spec.name!r} failed on {failed} of its last {judged} calls, more "
+                    f"than the limit of {self.max_failure_rate:.0%} (--reward-failure-limit); "
+                    f"last failure: {what}. Fix the reward, or raise the limit (1 never stops)")
+            log.warning("reward %r: %s; %s", spec.name, what, "no metrics recorded"
+                        if outcome == "metrics_errors" else f"scored its default {spec.default}")
         return score, found
 
     def _note_rss(self, rss: int, pool: ProcessPool) -> None:
@@ -327,9 +315,8 @@ def metrics_problem(found: Any) -> str | None:
 
 
 def _in_range(value: Any, spec: RewardSpec) -> bool:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        return False
-    return math.isfinite(value) and spec.range[0] <= value <= spec.range[1]
+    return (isinstance(value, numbers.Real) and not isinstance(value, bool)
+            and math.isfinite(value) and spec.range[0] <= value <= spec.range[1])
 
 
 def _exit_status(code: int | None) -> str:

@@ -81,33 +81,15 @@ class _Group:
 _SAME_AGAIN = (LookupError, TypeError, AttributeError)
 """Errors from the row or the code (not a server or a timeout), which a retry would raise again."""
 
-# Sort keys of `RolloutConfig.consume_order`. Sorting is stable, so "fifo" keeps finishing order
-# and "oldest_version" breaks ties by it.
-_CONSUME_ORDERS: dict[str, Callable[[_Group], float]] = {
-    "fifo": lambda g: 0,
-    "oldest_version": _Group.oldest_version,
-}
-
 
 class RolloutScheduler:
     """Runs a workflow (``async fn(ctx, sample) -> Episode | None``) over `dataset`'s rows (by
     index) against `pool`; `workflow_config` is `ctx.config`; every filter must accept a group."""
 
-    def __init__(
-        self,
-        *,
-        pool: GenerationPool,
-        workflow: str | WorkflowSpec,
-        dataset: Sequence[dict[str, Any]],
-        tokenizer: Any,
-        score: Callable[..., Any],
-        config: RolloutConfig,
-        sampling: SamplingParams,
-        workflow_config: Any = None,
-        filters: Sequence[GroupFilter] = (),
-        shuffle: bool = True,
-        seed: int = 0,
-    ):
+    def __init__(self, *, pool: GenerationPool, workflow: str | WorkflowSpec,
+                 dataset: Sequence[dict[str, Any]], tokenizer: Any, score: Callable[..., Any],
+                 config: RolloutConfig, sampling: SamplingParams, workflow_config: Any = None,
+                 filters: Sequence[GroupFilter] = (), shuffle: bool = True, seed: int = 0):
         if len(dataset) == 0:
             raise ValueError("the dataset is empty")
         self.pool = pool
@@ -126,7 +108,6 @@ class RolloutScheduler:
         self._queue: deque[_Group] = deque()
         self._version = 0
         self._accepted = 0
-        self._consumed = 0
         self._position = 0
         self._admitted = 0  # the next admission's number
         self._pending: deque[tuple[int, int]] = deque()  # (admission number, sample id)
@@ -242,12 +223,13 @@ class RolloutScheduler:
                 raise TimeoutError(f"fewer than {size} groups ready after {timeout} s")
             if self._fatal is not None:
                 raise self._fatal
-            order = sorted(self._queue, key=_CONSUME_ORDERS[self.config.consume_order])
+            order = list(self._queue)  # "fifo": in finishing order
+            if self.config.consume_order == "oldest_version":
+                order.sort(key=_Group.oldest_version)  # stable: ties keep finishing order
             groups, self._queue = order[:size], deque(order[size:])
             # rows in admission order: the batch does not depend on which finished first
             groups.sort(key=lambda g: g.serial)
             self._retire_locked(groups, stale=False)
-            self._consumed += size
             self._flat_dropped_for_batch = self._flat_dropped
             self._flat_dropped = 0  # the next batch may drop as many again
             version = self._version
@@ -304,7 +286,7 @@ class RolloutScheduler:
             return {
                 "position": self._position,
                 "version": self._version,
-                "consumed": self._consumed,
+                "consumed": self._accepted - len(self._queue),  # accepted: consumed or queued
                 "admitted": self._admitted,
                 "pending": [list(p) for p in pending],
             }
@@ -315,7 +297,7 @@ class RolloutScheduler:
             raise RuntimeError("load_state_dict() before start()")
         self._position = int(state["position"])
         self._version = int(state["version"])
-        self._consumed = self._accepted = int(state["consumed"])
+        self._accepted = int(state["consumed"])
         self._admitted = int(state["admitted"])
         self._pending = deque((int(n), int(i)) for n, i in state["pending"])
 
@@ -327,9 +309,8 @@ class RolloutScheduler:
             del self._inflight[g.serial]
             for ep in g.episodes:
                 n = ep.num_trainable_tokens
-                bucket = self._len_keys[min(n // self._len_width, 3)]
                 self._tokens[stale, ""] += n
-                self._tokens[stale, bucket] += n
+                self._tokens[stale, self._len_keys[min(n // self._len_width, 3)]] += n
 
     def _count(self, key: str, n: int = 1) -> None:
         # under the lock: stats() swaps the counter from the trainer thread
@@ -348,14 +329,11 @@ class RolloutScheduler:
     def _admit_locked(self) -> tuple[int, int] | None:
         """Admit a group if the limits allow (module docstring): (admission number, sample id)."""
         c = self.config
-        admit = (
-            not self._paused
-            and self._fatal is None
-            and self._running_episodes + c.group_size <= c.max_concurrent
+        if self._paused or self._fatal is not None or not (
+            self._running_episodes + c.group_size <= c.max_concurrent
             and (c.max_staleness + self._version + 1) * c.batch_size
             > self._accepted + self._running_groups
-        )
-        if not admit:
+        ):
             return None
         serial, sample_id = self._next_admission()
         self._inflight[serial] = sample_id
@@ -405,8 +383,7 @@ class RolloutScheduler:
             with self._cond:
                 self._running_groups -= 1
                 self._running_episodes -= self.config.group_size
-                accepted = group is not None and self._accept_locked(group)
-                if not accepted:
+                if group is None or not self._accept_locked(group):
                     del self._inflight[serial]
                     if group is None:
                         self._counts[outcome] += 1
@@ -499,8 +476,7 @@ class RolloutScheduler:
                 pool=self.pool, tokenizer=self.tokenizer, score=self._score,
                 sampling=sampling, episode_id=f"{sample_id}/{attempt}/{i}",
                 config=self.workflow_config, max_prompt_tokens=self.config.max_prompt_tokens,
-                seed=seed, endpoint=self.openai_endpoint,
-            )
+                seed=seed, endpoint=self.openai_endpoint)
             try:
                 episode = await self.workflow.fn(ctx, sample)
             except Exception:

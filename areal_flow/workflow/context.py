@@ -67,9 +67,8 @@ class RolloutContext:
         if tools is not None:
             _warn_if_tools_unrendered(self.tokenizer, messages, ids)
         if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
-            raise PromptTooLong(
-                f"prompt of {len(ids)} tokens exceeds max_prompt_tokens={self.max_prompt_tokens}"
-            )
+            raise PromptTooLong(f"prompt of {len(ids)} tokens exceeds "
+                                f"max_prompt_tokens={self.max_prompt_tokens}")
         return ids
 
     def chat_delta(self, history: list[dict[str, Any]], new: list[dict[str, Any]], *,
@@ -128,14 +127,9 @@ class RolloutContext:
             return completion
         # the shortest prefix whose text holds the marker
         lo = 1 + bisect.bisect(range(1, len(ids)), False, key=lambda n: marker in decode(ids[:n]))
-        return attrs.evolve(
-            completion,
-            token_ids=ids[:lo],
-            logprobs=completion.logprobs[:lo],
-            versions=completion.versions[:lo],
-            finish_reason="stop",
-            text=decode(ids[:lo], skip_special_tokens=True),
-        )
+        return attrs.evolve(completion, token_ids=ids[:lo], logprobs=completion.logprobs[:lo],
+                            versions=completion.versions[:lo], finish_reason="stop",
+                            text=decode(ids[:lo], skip_special_tokens=True))
 
     def encode(self, text: str) -> list[int]:
         """Tokens of `text` without special tokens added (tool output, feedback)."""
@@ -245,10 +239,8 @@ def field(sample: dict[str, Any], name: str) -> Any:
         return sample[name]
     except (KeyError, TypeError):
         fields = ", ".join(map(str, sample)) if isinstance(sample, dict) else type(sample).__name__
-        raise KeyError(
-            f"dataset row has no field {name!r} (it has: {fields}); point the workflow config "
-            "at the right field"
-        ) from None
+        raise KeyError(f"dataset row has no field {name!r} (it has: {fields}); point the workflow "
+                       "config at the right field") from None
 
 
 def _tools(tools: Any) -> dict[str, Any]:
