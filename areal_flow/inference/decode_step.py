@@ -42,15 +42,13 @@ class DecodeStep:
     def __init__(self, model: torch.nn.Module, rows: int = 16, attention: str | None = None):
         """`attention`: "sdpa" or "matmul" (None: the faster here, `faster_attention`, for
         batches of `rows`)."""
-        base = model.model
+        base, config = model.model, model.config
         self._embed, self._rotary, self._norm = base.embed_tokens, base.rotary_emb, base.norm
         self._head = model.lm_head
         self._layers = list(base.layers)
         first = self._layers[0].self_attn
-        self._heads = model.config.num_attention_heads
-        self._kv_heads = model.config.num_key_value_heads
-        self._head_dim = first.head_dim
-        self._scaling = first.scaling
+        self._heads, self._kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self._head_dim, self._scaling = first.head_dim, first.scaling
         self.attention = attention or faster_attention(
             model.dtype, self._heads, self._kv_heads, self._head_dim, rows)
         self._attend = ATTENTION[self.attention]

@@ -47,10 +47,8 @@ class EngineWeights:
                 state = AutoModelForCausalLM.from_pretrained(
                     update.path, dtype=self.model.dtype).state_dict()
             else:
-                raise ValueError(
-                    "the local engine takes weights as a state dict or a folder; the "
-                    "distributed group path belongs to the SGLang-protocol server"
-                )
+                raise ValueError("the local engine takes weights as a state dict or a folder; the "
+                                 "distributed group path belongs to the SGLang-protocol server")
             if self.adapter is not None:
                 raise ValueError("this engine serves a LoRA adapter: it takes adapters "
                                  "(WeightUpdate.lora), not full weights")
@@ -91,10 +89,9 @@ class EngineWeights:
 
     def remove_adapter(self) -> None:
         self._own_tensors()
-        with torch.no_grad():
-            for name, tensor in self.model.state_dict().items():
-                if ".lora_B." in name:
-                    tensor.zero_()
+        for name, tensor in self.model.state_dict().items():  # detached: no autograd
+            if ".lora_B." in name:
+                tensor.zero_()
         self.repack()
 
     def repack(self) -> None:
@@ -115,8 +112,7 @@ class EngineWeights:
         none, unknown, or a version change leaves tensors unsent since the last one."""
         if not names:
             raise ValueError("weights do not fit the model: the update holds no tensors")
-        unexpected = names - self._aliases.keys()
-        if unexpected:
+        if unexpected := names - self._aliases.keys():
             raise ValueError(f"weights do not fit the model: unexpected names {_some(unexpected)}")
         received = self._received | names
         missing = {n for n, aliases in self._aliases.items() if not aliases & received}

@@ -66,10 +66,9 @@ class KVBatch:
         """Bytes the keys and values hold, whole slot rooms included (a kept row's view keeps
         its room); safe to call from another thread while the engine steps."""
         cache = self.cache
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                     for layer in (cache.layers if cache is not None else ())
-                    for t in (layer.keys, layer.values) if t is not None}
-        return sum(storages.values())
+                    for t in (layer.keys, layer.values) if t is not None}.values())
 
     def wrap(self, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
         """A cache over per-layer (keys, values); with slots, plain layers become `SlotLayer`s."""
@@ -145,12 +144,9 @@ def left_padded(seqs: list[list[int]], pad_token_id: int, device: torch.device
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids and attention mask of `seqs`, left-padded to the longest, on the device."""
     width = max(map(len, seqs))
-    ids = torch.full((len(seqs), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, seq in enumerate(seqs):
-        ids[i, width - len(seq):] = torch.tensor(seq)
-        mask[i, width - len(seq):] = 1
-    return ids.to(device), mask.to(device)
+    ids = [[pad_token_id] * (width - len(seq)) + list(seq) for seq in seqs]
+    mask = [[0] * (width - len(seq)) + [1] * len(seq) for seq in seqs]
+    return torch.tensor(ids, device=device), torch.tensor(mask, device=device)
 
 
 def positions(mask: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ from areal_flow.inference.engine_weights import EngineWeights
 from areal_flow.inference.kv_batch import KVBatch, left_padded, positions
 from areal_flow.inference.sampling import sample
 from areal_flow.types import Completion, FinishReason, GenerationRequest, WeightUpdate
-from areal_flow.runtime.precision import CHOICES, choose, read_bandwidth
+from areal_flow.runtime.precision import choose, read_bandwidth
 
 
 def resolve_device(device: str) -> torch.device:
@@ -76,24 +76,12 @@ class LocalEngine:
             `grouped_attention`, `decode_step`: 1.06x in bf16). pack_weights None: where
             `packed_weights.pays` (fp32: timed); True: wherever oneDNN packs the dtype."""
 
-    def __init__(
-        self,
-        model: str | Path,
-        *,
-        dtype: Literal["auto", "float32", "bfloat16"] = "float32",
-        device: str = "cpu",
-        max_batch_size: int = 64,
-        seed: int = 0,
-        version: int = 0,
-        share_prefix: bool = True,
-        threads: int | None = None,
-        kv_slots: bool = True,
-        pack_weights: bool | None = None,
-        grouped_attention: bool = True,
-        fused_decode: bool = True,
-    ):
-        if dtype not in CHOICES:
-            raise ValueError(f"'dtype' must be one of {', '.join(CHOICES)}: {dtype!r}")
+    def __init__(self, model: str | Path, *,
+                 dtype: Literal["auto", "float32", "bfloat16"] = "float32", device: str = "cpu",
+                 max_batch_size: int = 64, seed: int = 0, version: int = 0,
+                 share_prefix: bool = True, threads: int | None = None, kv_slots: bool = True,
+                 pack_weights: bool | None = None, grouped_attention: bool = True,
+                 fused_decode: bool = True):
         if max_batch_size < 1:
             raise ValueError(f"'max_batch_size' must be >= 1: {max_batch_size}")
         if threads is not None and threads < 1:
@@ -119,15 +107,13 @@ class LocalEngine:
         if self.grouped_attention:
             grouped_attention_module.use(self.model)
         # reads the model's modules as they are at each step: updates and adapters apply
-        self._decode_step = None
-        if fused_decode and decode_step.supports(self.model, self.device):
-            self._decode_step = decode_step.DecodeStep(self.model, rows=min(max_batch_size, 16))
+        self._decode_step = decode_step.DecodeStep(self.model, rows=min(max_batch_size, 16)) \
+            if fused_decode and decode_step.supports(self.model, self.device) else None
         self.max_length = getattr(self.model.config, "max_position_embeddings", None)
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
         # what a decode step must read at least (tied tensors once), and how fast it can be read
-        storages = {t.data_ptr(): t.numel() * t.element_size()
-                    for t in self.model.state_dict().values()}
-        self.weight_bytes = sum(storages.values())
+        self.weight_bytes = sum({t.data_ptr(): t.numel() * t.element_size()
+                                 for t in self.model.state_dict().values()}.values())
         self.read_bandwidth = read_bandwidth(self.device)
         eos = self.model.generation_config.eos_token_id
         eos = eos if isinstance(eos, list) else [eos]
@@ -140,6 +126,7 @@ class LocalEngine:
         self._waiting: deque[_Sequence] = deque()
         # request id (None: every request) -> last submission serial the abort applies to
         self._abort: dict[str | None, int] = {}
+        self._submitted = 0
         self._paused = False
         self._stepping = False
         """A forward pass is in flight (the stepping thread is outside the lock)."""
@@ -187,10 +174,9 @@ class LocalEngine:
                                  f"the model's vocabulary [0, {self.vocab_size})")
         total = len(request.input_ids) + request.sampling.max_new_tokens
         if self.max_length is not None and total > self.max_length:
-            raise ValueError(
-                f"prompt of {len(request.input_ids)} tokens + max_new_tokens "
-                f"{request.sampling.max_new_tokens} exceeds the model's {self.max_length} positions"
-            )
+            raise ValueError(f"prompt of {len(request.input_ids)} tokens + max_new_tokens "
+                             f"{request.sampling.max_new_tokens} exceeds the model's "
+                             f"{self.max_length} positions")
         seed = request.sampling.seed
         if seed is None and not request.sampling.greedy:
             seed = int(torch.randint(0, 2**62, (1,), generator=self._rng))
@@ -198,9 +184,9 @@ class LocalEngine:
         with self._cv:
             if self._closing:
                 raise RuntimeError("the local engine is closed")
-            self._totals.submitted += 1
+            self._submitted += 1
             seq = _Sequence(request=request, future=concurrent.futures.Future(),
-                            generator=generator, serial=self._totals.submitted)
+                            generator=generator, serial=self._submitted)
             self._waiting.append(seq)
             self._cv.notify_all()
         return seq
@@ -208,7 +194,7 @@ class LocalEngine:
     def abort(self, rid: str | None = None) -> None:
         """Cancel `rid` (None: all): it returns at once, ``abort``, with its tokens so far."""
         with self._cv:
-            self._abort[rid] = self._totals.submitted
+            self._abort[rid] = self._submitted
             self._cv.notify_all()
 
     def pause(self, wait: bool = True) -> None:
@@ -219,8 +205,7 @@ class LocalEngine:
             self._paused = True
             self._cv.notify_all()
             if wait:
-                while self._stepping:
-                    self._cv.wait()
+                self._cv.wait_for(lambda: not self._stepping)
                 self._requeue_locked()
 
     def resume(self) -> None:
@@ -276,19 +261,14 @@ class LocalEngine:
         (then, before), self._reported = self._reported, (now, totals)
         delta = {f.name: getattr(totals, f.name) - getattr(before, f.name)
                  for f in attrs.fields(_Counters)}
+        seconds = delta.pop("decode_seconds")
         return {
-            "generated_tokens": delta["generated"],
-            "prefill_tokens": delta["prefilled"],
-            "reprefill_tokens": delta["reprefilled"],
-            "prefill_shared_tokens": delta["shared"],
-            "tokens_per_s": delta["generated"] / max(now - then, 1e-9),
-            "decode_steps": delta["decode_steps"],
+            **delta,
+            "tokens_per_s": delta["generated_tokens"] / max(now - then, 1e-9),
             # the weight-read bound over the measured step: the fraction of the memory bandwidth
             # decoding reaches (sampling and stop checks included in the step)
             "decode_mbu": (self.weight_bytes * delta["decode_steps"] / self.read_bandwidth
-                           / delta["decode_seconds"]) if delta["decode_steps"] else 0.0,
-            "finished": delta["finished"],
-            "interruptions": delta["interruptions"],
+                           / seconds) if delta["decode_steps"] else 0.0,
             "running": len(self._running),
             "queued": len(self._waiting),
         }
@@ -443,11 +423,11 @@ class LocalEngine:
             self._join(getattr(out, self._cache), mask, [admitted[i] for i in rest])
             logits.append(out.logits[:, -1])
         ran = sum(map(len, prefixes)) + sum(map(len, suffixes))
-        self._totals.prefilled += ran
-        self._totals.shared += sum(map(len, contexts)) - ran
+        self._totals.prefill_tokens += ran
+        self._totals.prefill_shared_tokens += sum(map(len, contexts)) - ran
         # a request with tokens already was interrupted: its context is prefilled again (only
         # such requests have a suffix: their group's prefix holds at least the prompt)
-        self._totals.reprefilled += sum(map(len, suffixes)) + sum(
+        self._totals.reprefill_tokens += sum(map(len, suffixes)) + sum(
             len(p) for p, rows in zip(prefixes, members) if any(admitted[i].tokens for i in rows))
         self._sample_and_advance(torch.cat(logits), first_row=len(self._running) - len(admitted))
 
@@ -474,7 +454,7 @@ class LocalEngine:
             seq.tokens.append(token)
             seq.logprobs.append(logprob)
             seq.versions.append(version)
-        self._totals.generated += len(rows)
+        self._totals.generated_tokens += len(rows)
         keep, done = [], []
         for i, seq in enumerate(self._running):
             sp = seq.request.sampling
@@ -518,6 +498,7 @@ class LocalEngine:
         self._running = [self._running[i] for i in rows]
         self._kv.keep(rows)
 
+
 def _settle(future: concurrent.futures.Future, outcome: object) -> None:
     """Resolve `future` unless its caller already cancelled it."""
     with contextlib.suppress(concurrent.futures.InvalidStateError):
@@ -529,13 +510,13 @@ def _settle(future: concurrent.futures.Future, outcome: object) -> None:
 
 @attrs.define
 class _Counters:
-    submitted: int = 0
-    generated: int = 0
-    prefilled: int = 0
+    """Totals of what `stats` reports (`decode_seconds` as part of `decode_mbu`)."""
+    generated_tokens: int = 0
+    prefill_tokens: int = 0
     """Context tokens run through the model to prefill (a shared prefix counts once)."""
-    reprefilled: int = 0
-    """The part of `prefilled` run again for interrupted requests."""
-    shared: int = 0
+    reprefill_tokens: int = 0
+    """The part of `prefill_tokens` run again for interrupted requests."""
+    prefill_shared_tokens: int = 0
     """Context tokens whose prefill was saved by sharing a prefix."""
     finished: int = 0
     interruptions: int = 0

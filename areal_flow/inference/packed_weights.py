@@ -29,8 +29,7 @@ DEVICES = {"cpu"}
 
 
 def available(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether packing applies: fp32 weights, or bf16 ones where oneDNN has bf16 kernels, on a
-    CPU."""
+    """Whether packing applies: on a CPU, fp32 weights, or bf16 where oneDNN has bf16 kernels."""
     return (device.type in DEVICES and torch.backends.mkldnn.is_available()
             and (dtype == torch.float32 or (
                 dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())))
@@ -74,15 +73,14 @@ def fp32_pays(hidden: int, width: int, layers: int) -> bool:
 
 def pack(model: torch.nn.Module) -> int:
     """Point every fp32 or bf16 `nn.Linear` at a packed copy of its weight (rerun after each
-    update),
-    `SIBLINGS` at one product; returns how many layers read packed weights."""
+    update), `SIBLINGS` at one product; returns how many layers read packed weights."""
     unpack(model)
     packed: set[torch.nn.Module] = set()
     for module in model.modules():
         for names in SIBLINGS:
             layers = [getattr(module, name, None) for name in names]
-            if _packable(layers) and len({layer.in_features for layer in layers}) == 1 \
-                    and len({layer.bias is None for layer in layers}) == 1:
+            if _packable(layers) and len({(layer.in_features, layer.bias is None)
+                                          for layer in layers}) == 1:
                 together = Siblings(layers)
                 for i, layer in enumerate(layers):
                     layer.forward = functools.partial(together.output, i=i)

@@ -5,11 +5,8 @@ from __future__ import annotations
 import torch
 
 
-def sample(
-    logits: torch.Tensor,
-    params: list,
-    generators: list[torch.Generator | None],
-) -> tuple[torch.Tensor, torch.Tensor]:
+def sample(logits: torch.Tensor, params: list, generators: list[torch.Generator | None]
+           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens and behavior logprobs ``log_softmax(logits / T)`` (T = 1 if greedy; full vocab,
     before truncation; float32 math). Few vocab passes: at small batches it is 1/10 of a step."""
     device = logits.device
