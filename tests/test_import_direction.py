@@ -27,6 +27,7 @@ OPTIONAL = {
     "areal_flow.testing": "the reward contract kit ([contract]), the tiny test model",
     "areal_flow.data.reasoning_gym": "reasoning-gym rows ([reasoning-gym])",
     "areal_flow.data.packaged": "the offline demo's SmolLM2 and GSM8K file ([demo])",
+    "areal_flow.lora": "LoRA adapters through peft ([lora])",
     "areal_flow.reward.reasoning_gym": "reasoning-gym's reward ([reasoning-gym])",
     "areal_flow.loggers": "trackers: tensorboard, wandb ([trackers])",
     "areal_flow.cli": "the `areal-flow` commands",
@@ -49,6 +50,10 @@ DOORS = {
         "a run given --teacher: the teacher's tokenizer checked against --model's",
     ("areal_flow.session", "areal_flow.data.packaged"): "a run that leaves --model unset",
     ("areal_flow.data.offline", "areal_flow.data.packaged"): "a run that leaves --dataset unset",
+    ("areal_flow.runtime.engine", "areal_flow.lora"): "a TrainEngine given --train.lora.rank",
+    ("areal_flow.runtime.checkpoint", "areal_flow.lora"): "saving a LoRA policy",
+    ("areal_flow.runtime.weight_sync", "areal_flow.lora"): "a LoRA adapter synced as a folder",
+    ("areal_flow.inference.engine_weights", "areal_flow.lora"): "an engine sent an adapter",
 }
 
 

@@ -14,14 +14,8 @@ from areal_flow.types import LossOutput, MicroBatch, ModelOutput
 Tensor = torch.Tensor
 
 
-def group_advantages(
-    rewards: Tensor,
-    group_ids: Tensor,
-    *,
-    std_normalize: bool = True,
-    leave_one_out: bool = False,
-    eps: float = 1e-6,
-) -> Tensor:
+def group_advantages(rewards: Tensor, group_ids: Tensor, *, std_normalize: bool = True,
+                     leave_one_out: bool = False, eps: float = 1e-6) -> Tensor:
     """One advantage per row, relative to its group; 0 in `flat_groups`.
     mean:          A_i = r_i − mean_g(r)                              (Dr.GRPO)
     mean+std:      A_i = (r_i − mean_g(r)) / (std_g(r) + eps)         (GRPO; population std)
@@ -81,25 +75,18 @@ def masked(x: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask, x, 0)
 
 
-def kl_k1(logp: Tensor, ref_logp: Tensor) -> Tensor:
-    """k1 = log π − log π_ref (unbiased, high variance, can be negative)."""
-    return logp - ref_logp
-
-
-def kl_k2(logp: Tensor, ref_logp: Tensor) -> Tensor:
-    """k2 = ½ (log π − log π_ref)² (biased, low variance, ≥ 0)."""
-    return 0.5 * (logp - ref_logp) ** 2
-
-
 def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
     """k3 = exp(log π_ref − log π) − (log π_ref − log π) − 1 (unbiased, ≥ 0; Schulman)."""
     d = ref_logp - logp
     return torch.exp(d) - d - 1
 
 
-KL_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
+KL_ESTIMATORS = {"k1": lambda logp, ref_logp: logp - ref_logp,
+                 "k2": lambda logp, ref_logp: 0.5 * (logp - ref_logp) ** 2, "k3": kl_k3}
 """Per-token value estimators of KL(π‖π_ref) on y ~ π (Schulman): E[k1] = E[k3] = KL, k2 ≈ KL.
-For the reward penalty (`kl_in_reward`): their gradients are not ∇KL; the loss uses `kl_loss`."""
+k1 = log π − log π_ref (unbiased, high variance, can be negative), k2 = ½ (log π − log π_ref)²
+(biased, low variance, ≥ 0). For the reward penalty (`kl_in_reward`): their gradients are not
+∇KL; the loss uses `kl_loss`."""
 
 
 NO_ACTOR = ("the loss config has recompute_proximal=True, but the rows carry no prox_logprobs: "
@@ -136,15 +123,9 @@ def kl_loss(logp: Tensor, ref_logp: Tensor, prox_logp: Tensor, weight: Tensor) -
     return weight.detach() * torch.exp(logp - prox_logp) * kl_k3(logp, ref_logp)
 
 
-def ppo_surrogate(
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages: Tensor,
-    *,
-    eps_low: float = 0.2,
-    eps_high: float | None = None,
-    dual_clip: float | None = None,
-) -> tuple[Tensor, Tensor]:
+def ppo_surrogate(logp: Tensor, old_logp: Tensor, advantages: Tensor, *, eps_low: float = 0.2,
+                  eps_high: float | None = None,
+                  dual_clip: float | None = None) -> tuple[Tensor, Tensor]:
     """Per-token clipped policy loss and where clipping was active:
     L = −min(ρA, clip(ρ, 1 − ε_low, 1 + ε_high) A); dual clip c > 1 (A < 0): L = min(L, −cA)."""
     eps_high = eps_low if eps_high is None else eps_high
@@ -340,8 +321,7 @@ def whiten(values: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
 
 def final_token_rewards(rewards: Tensor, mask: Tensor) -> Tensor:
     """Each row's scalar reward placed on its last masked position (the rest 0), for GAE."""
-    width = mask.shape[-1]
-    last = (mask.long() * torch.arange(width)).argmax(-1)
+    last = (mask.long() * torch.arange(mask.shape[-1])).argmax(-1)
     out = torch.zeros(mask.shape, dtype=torch.float32)
     has = mask.any(-1)
     out[has, last[has]] = rewards[has].float()

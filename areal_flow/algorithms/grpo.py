@@ -104,7 +104,6 @@ class GRPO:
         self.entropy_coef = float(state["entropy_coef"])
 
     def loss(self, out: ModelOutput, mb: MicroBatch) -> LossOutput:
-        if self.config.entropy_target is None:
-            return F.actor_loss(out, mb, self.config)
-        return F.actor_loss(out, mb, self.config,
-                            entropy_coef=mb.columns["entropy_coef"].to(out.logprobs)[:, None])
+        coef = None if self.config.entropy_target is None else \
+            mb.columns["entropy_coef"].to(out.logprobs)[:, None]
+        return F.actor_loss(out, mb, self.config, entropy_coef=coef)

@@ -7,7 +7,6 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from areal_flow.inference import packed_weights
-from areal_flow.lora import add_adapters, is_adapter, load_adapter, same_shape
 from areal_flow.types import WeightUpdate
 
 
@@ -56,6 +55,8 @@ class EngineWeights:
         kept = update.live and self._keep_tensors(state)
         if not kept:
             if update.lora is not None:
+                from areal_flow.lora import is_adapter
+
                 state = {name: t for name, t in state.items() if is_adapter(name)}
                 expected = {name for name in self.model.state_dict() if is_adapter(name)}
                 if set(state) != expected:
@@ -75,6 +76,8 @@ class EngineWeights:
 
     def _adapter_update(self, update: WeightUpdate) -> dict:
         """The adapter's tensors; LoRA layers are injected at the first adapter."""
+        from areal_flow.lora import add_adapters, load_adapter, same_shape
+
         if self.adapter is None:
             self.adapter = add_adapters(self.model, update.lora)
             self.model.requires_grad_(False)

@@ -13,7 +13,6 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_state_dict, set_state_dict)
 from transformers import AutoTokenizer
 
-from areal_flow.lora import is_adapter, merged, save_adapter
 
 if TYPE_CHECKING:
     from areal_flow.runtime.engine import TrainEngine
@@ -27,6 +26,8 @@ def save_hf(engine: TrainEngine, path: str | Path,
         engine.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if engine.rank == 0:
         if engine.adapter is not None:
+            from areal_flow.lora import merged, save_adapter
+
             save_adapter(Path(path) / "adapter", state, engine.adapter)
             state = merged(state, engine.adapter)
         engine.model.save_pretrained(path, state_dict=state)
@@ -67,5 +68,7 @@ def _trained_state(engine: TrainEngine) -> dict[str, dict]:
     `ignore_frozen_params` still keeps a tied LM head: the whole embedding)."""
     model_state, optim_state = get_state_dict(engine.model, engine.optimizer)
     if engine.adapter is not None:
+        from areal_flow.lora import is_adapter
+
         model_state = {k: t for k, t in model_state.items() if is_adapter(k)}
     return {"model": model_state, "optim": optim_state}

@@ -23,8 +23,7 @@ from tensordict import TensorDict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM, get_scheduler
 
-from areal_flow.config import OptimizerConfig
-from areal_flow.lora import LoraConfig, add_adapters, is_adapter
+from areal_flow.config import LoraConfig, OptimizerConfig
 from areal_flow.runtime.distributed import (init_distributed, on_rank0, same_on_all_ranks,
                                             scatter_groups)
 from areal_flow.runtime import compiled_layers, packed_attention
@@ -35,10 +34,6 @@ from areal_flow.runtime.precision import choose, gemm_rate
 from areal_flow.runtime.roles import BaseModelRole, ValueModel
 from areal_flow.types import (ROLES, Algorithm, AlgorithmCapabilities, MicroBatch,
                               ModelOutput, WeightUpdate)
-
-
-SUMMED_UNITS = {"tokens": True, "sequences": True, "constant": False}
-"""Whether a `LossOutput.normalizer` of this unit is summed over micro-batches and ranks."""
 
 
 @attrs.frozen(kw_only=True)
@@ -117,6 +112,8 @@ class TrainEngine:
         self.adapter: dict | None = None
         """The PEFT config of the policy's LoRA adapters (`TrainConfig.lora`), else None."""
         if config.lora.enabled and trainable and not value:
+            from areal_flow.lora import add_adapters  # peft: the lora extra
+
             self.adapter = add_adapters(module, config.lora.peft_dict())
         body = module.backbone if value else module
         if config.packed_attention:
@@ -198,8 +195,7 @@ class TrainEngine:
     @torch.no_grad()
     def forward(self, batch: TensorDict) -> TensorDict:
         """`outputs` for this rank's rows, micro-batched; every rank must call it."""
-        logprobs = torch.zeros(batch["input_ids"].shape)
-        values = torch.zeros(batch["input_ids"].shape)
+        logprobs, values = (torch.zeros(batch["input_ids"].shape) for _ in range(2))
         for mb_rows in self._plan(batch):
             if not mb_rows:
                 self._dummy_pass(backward=False)
@@ -296,15 +292,14 @@ class TrainEngine:
         for k, mini in enumerate(minis):
             # how far the weights have moved from pi_prox, for version-based approximations
             mini["minibatch_progress"] = torch.full((mini.batch_size[0],), k / len(minis))
-            for key, value in self._step(
-                    mini, algorithm.loss,
-                    entropy="grad" if can.needs_entropy_grad else "metric",
-                    skip_zero_advantage=can.skips_zero_advantage_rows,
-            ).items():
-                stats[key].append(value)
+            step = self._step(mini, algorithm.loss,
+                              entropy="grad" if can.needs_entropy_grad else "metric",
+                              skip_zero_advantage=can.skips_zero_advantage_rows)
             if critic is not None and hasattr(algorithm, "critic_loss"):
-                for key, value in critic._step(mini, algorithm.critic_loss).items():
-                    stats[f"critic/{key}"].append(value)
+                step |= {f"critic/{key}": value
+                         for key, value in critic._step(mini, algorithm.critic_loss).items()}
+            for key, value in step.items():
+                stats[key].append(value)
         # free heap pages back to the OS: without it the GSM8K run's resident memory grew
         # 3.2 -> 4.4 GB over 24 steps (3.7 GB with it)
         _glibc("malloc_trim", 0)
@@ -325,19 +320,17 @@ class TrainEngine:
     def _gathered_through_step(self):
         """Yields whether FSDP2 keeps gathered weights until the step's last backward."""
         hold = self.config.keep_unsharded and self.sharded and self.world_size == 1
-        if not hold:
-            yield False
-            return
-        self.model.set_reshard_after_forward(False)
-        self.model.set_reshard_after_backward(False)
-        self.model.set_requires_gradient_sync(False)
+        switches = [self.model.set_reshard_after_forward, self.model.set_reshard_after_backward,
+                    self.model.set_requires_gradient_sync] if hold else []
+        for switch in switches:
+            switch(False)
         try:
-            yield True
+            yield hold
         finally:
-            self.model.set_reshard_after_forward(True)
-            self.model.set_reshard_after_backward(True)
-            self.model.set_requires_gradient_sync(True)
-            self.model.reshard()
+            for switch in switches:
+                switch(True)
+            if hold:
+                self.model.reshard()
 
     def _accumulate(self, mini: TensorDict, idle: TensorDict, loss_fn, entropy: EntropyMode,
                     hold: bool) -> dict[str, float]:
@@ -369,12 +362,13 @@ class TrainEngine:
                 sums[key] += float(value)
             count += 1
             tokens += int(mb["attention_mask"].sum())
-        # (summed units, constant units) seen on any rank, so that every rank takes the same
-        # decision below; a rank with only dummy passes has none
-        kinds = {SUMMED_UNITS[u] for u in units}
         totals = StepTotals(loss_sum=loss_sum, normalizer=summed, micro_batches=count,
                             skipped_rows=idle.batch_size[0], tokens=tokens).summed_over_ranks()
-        flags = torch.tensor([peak, True in kinds, False in kinds], dtype=torch.float64)
+        # units summed over micro-batches and ranks (tokens, sequences), constant units: seen on
+        # any rank, so that every rank takes the same decision below (a rank with only dummy
+        # passes has none)
+        flags = torch.tensor([peak, bool(units - {"constant"}), "constant" in units],
+                             dtype=torch.float64)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         if flags[1] > 0 and flags[2] > 0:
             raise ValueError("the loss returned both summed (tokens, sequences) and constant "
@@ -382,16 +376,14 @@ class TrainEngine:
         if totals.micro_batches + totals.skipped_rows == 0:  # no rank has a row: AdamW would
             # move on momentum alone
             return {"skipped_step": 1.0, "lr": self.scheduler.get_last_lr()[0]}
-        if totals.micro_batches == 0:  # only skipped rows: the zero gradient they would give
-            for p in self.model.parameters():
-                if p.grad is None and p.requires_grad:
-                    p.grad = torch.zeros_like(p)
         # tokens and sequences add up over micro-batches and ranks; a constant is what it is
         total_norm = float(flags[0]) if flags[2] > 0 else totals.normalizer
         scale = self.world_size / total_norm if total_norm > 0 else 0.0
         for p in self.model.parameters():
             if p.grad is not None:
                 p.grad.mul_(scale)
+            elif p.requires_grad and totals.micro_batches == 0:  # only skipped rows: the zero
+                p.grad = torch.zeros_like(p)  # gradient they would give
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
                                                    self.config.optim.max_grad_norm)
         grad_norm = float(_full(grad_norm))
@@ -433,6 +425,8 @@ class TrainEngine:
         return state if self.sharded else {name: t.clone() for name, t in state.items()}
 
     def _unsharded_state(self, adapter_only: bool = False) -> dict[str, torch.Tensor]:
+        if adapter_only:
+            from areal_flow.lora import is_adapter
         # unwrapped on CPU, these are the live weights: for consumers that copy them at once
         return {name: _full(t).detach().cpu() for name, t in self.model.state_dict().items()
                 if not adapter_only or is_adapter(name)}
@@ -446,10 +440,13 @@ class TrainEngine:
         in-process engine may keep the live tensors (`WeightUpdate.live`), paused by each step
         until the next `sync_weights`: call it after every `train`. Returns timings and bytes."""
         start = time.perf_counter()
-        if self.adapter is not None and group is not None:
-            raise ValueError("LoRA adapters reach SGLang servers as a folder "
-                             "(/load_lora_adapter), not over a weight-update group: sync with "
-                             "folder=...")
+        if self.adapter is not None:
+            from areal_flow.lora import is_adapter
+
+            if group is not None:
+                raise ValueError("LoRA adapters reach SGLang servers as a folder "
+                                 "(/load_lora_adapter), not over a weight-update group: sync "
+                                 "with folder=...")
         # With LoRA only the adapter moves, except to an in-process engine that can keep the
         # trainer's own tensors (`WeightUpdate.live`): it takes them all once, and then nothing.
         live = self.shares_live_tensors and folder is None
@@ -478,11 +475,10 @@ class TrainEngine:
                 if self._readers is not None:  # paused by the optimizer step
                     self._readers.resume()
                 self._readers = pool if kept else None
-                if kept:  # nothing was copied
-                    sent = 0
+                sent = 0 if kept else sent  # kept: nothing was copied
         dist.barrier()
-        done = time.perf_counter()
-        return {"sync/gather_seconds": gathered - start, "sync/send_seconds": done - gathered,
+        return {"sync/gather_seconds": gathered - start,
+                "sync/send_seconds": time.perf_counter() - gathered,
                 "sync/bytes": float(sent)}
 
     # -- micro-batches -----------------------------------------------------------------

@@ -40,9 +40,8 @@ class LossPositions:
     @classmethod
     def of(cls, layout: PackedRows, loss_mask: torch.Tensor,
            temperature: torch.Tensor) -> LossPositions:
-        mask = loss_mask.bool().clone()
-        mask[:, 0] = False
-        mask &= torch.arange(mask.shape[1], device=mask.device) < layout.lengths[:, None]
+        column = torch.arange(loss_mask.shape[1], device=loss_mask.device)
+        mask = loss_mask.bool() & (column > 0) & (column < layout.lengths[:, None])
         rows, cols = mask.nonzero(as_tuple=True)
         at = layout.index(rows, cols)
         return cls(rows=rows, cols=cols, states=at - 1, targets=layout.input_ids[0, at],
@@ -99,8 +98,7 @@ class _Head(torch.autograd.Function):
                         g_ent)
         needs = ctx.needs_input_grad
         return (g @ weight if needs[0] else None, g.t() @ hidden if needs[1] else None,
-                g.sum(0) if bias is not None and needs[2] else None,
-                None, None, None)
+                g.sum(0) if bias is not None and needs[2] else None, None, None, None)
 
 
 # a seam: benchmarks/train_step.py swaps in autograd's chain for its "- written-out head" row
@@ -119,16 +117,12 @@ def head_at_positions(head: torch.nn.Linear, hidden: torch.Tensor, where: LossPo
     hidden] at `where`."""
     states = hidden.flatten(0, 1)[where.states]
     step = max(1, CHUNK_ELEMENTS // head.weight.shape[0])
-    tokens, entropies = [], []
-    for start in range(0, len(states), step):
-        part = slice(start, start + step)
-        token, ent = _chunk(states[part], head.weight, head.bias, where.targets[part],
-                            where.temperature[part], entropy)
-        tokens.append(token)
-        entropies.append(ent)
-    if not tokens:  # no loss position: still a graph through every layer, for FSDP's hooks
+    parts = [slice(start, start + step) for start in range(0, len(states), step)]
+    if not parts:  # no loss position: still a graph through every layer, for FSDP's hooks
         empty = ((hidden.sum() + head.weight.sum()) * 0).float().expand(0)
         return empty, {"none": None, "metric": empty.detach(), "grad": empty}[entropy]
+    tokens, entropies = zip(*(_chunk(states[p], head.weight, head.bias, where.targets[p],
+                                     where.temperature[p], entropy) for p in parts))
     return torch.cat(tokens), (torch.cat(entropies) if entropy != "none" else None)
 
 

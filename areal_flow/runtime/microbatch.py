@@ -28,10 +28,9 @@ def groups_to_ranks(group_ids: Sequence[int], lengths: Sequence[int],
     groups: dict[int, list[int]] = defaultdict(list)
     for row, gid in enumerate(group_ids):
         groups[gid].append(row)
-    order = list(groups)
-    tokens = [sum(lengths[r] for r in groups[g]) for g in order]
-    return [[r for gi in owned for r in groups[order[gi]]]
-            for owned in assign_groups(tokens, world_size)]
+    members = list(groups.values())
+    tokens = [sum(lengths[r] for r in rows) for rows in members]
+    return [[r for g in owned for r in members[g]] for owned in assign_groups(tokens, world_size)]
 
 
 def minibatch_of_rows(group_ids: torch.Tensor, parts: int) -> torch.Tensor:
@@ -49,13 +48,12 @@ def micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
     bins: list[list[int]] = []
     room: list[int] = []
     for row in sorted(range(len(lengths)), key=lambda r: (-lengths[r], r)):
-        fits = next((b for b, free in enumerate(room) if lengths[row] <= free), None)
-        if fits is None:
-            bins.append([row])
-            room.append(max_tokens - lengths[row])
-        else:
-            bins[fits].append(row)
-            room[fits] -= lengths[row]
+        fits = next((b for b, free in enumerate(room) if lengths[row] <= free), len(bins))
+        if fits == len(bins):  # a new micro-batch
+            bins.append([])
+            room.append(max_tokens)
+        bins[fits].append(row)
+        room[fits] -= lengths[row]
     return bins
 
 

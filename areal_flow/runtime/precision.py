@@ -18,8 +18,6 @@ import torch
 from areal_flow.config import PolicyLossConfig
 
 DTYPES = ("float32", "bfloat16")
-MEASURED = {"cpu"}
-"""Device types whose bf16 speed must be measured (a GPU's is known: bf16)."""
 SYNCHRONIZE = {"cuda": torch.cuda.synchronize}
 CHOICES = ("auto", *DTYPES)
 ROWS = {"train": 256, "decode": 16}
@@ -76,12 +74,11 @@ def choose(dtype: str, model: str | Path, *, purpose: Literal["train", "decode"]
     if dtype in DTYPES:
         return Precision(dtype, purpose)
     device = torch.device(device)
-    if device.type not in MEASURED:  # a GPU: bf16 pays
+    if device.type != "cpu":  # a GPU: bf16 pays, unmeasured
         return Precision("bfloat16", purpose)
     k, n, layers = _sizes(model)
-    layers = layers if purpose == "decode" else 1
-    shape = (ROWS[purpose], k, n, max(1, min(layers, DECODE_BYTES // (4 * k * n))))
     packed = purpose == "decode"
+    shape = (ROWS[purpose], k, n, max(1, min(layers if packed else 1, DECODE_BYTES // (4 * k * n))))
     key = (str(device), shape, packed)
     if key not in _measured:
         _measured[key] = _seconds(shape, device, packed=packed)
@@ -122,25 +119,25 @@ def _seconds(shape: tuple[int, int, int, int], device: torch.device, budget: flo
     # the values do not change a GEMM's speed; filling is faster than drawing 100 MB at random
     x = torch.full((m, k), 0.01)
     weights = [torch.full((n, k), 0.01) for _ in range(count)]  # (out, in), as nn.Linear's
-    # into one output tensor: a fresh one per call is the allocator's cost, not the GEMM's (with
-    # the trainer's 1 MiB mmap threshold each call faulted its pages in, and bf16 read 1.08
-    # TFLOP/s against 2.5)
-    products = {name: (x.to(device, getattr(torch, name)),
-                       [functools.partial(torch.mm, mat2=w.to(device, getattr(torch, name)).t(),
-                                          out=torch.empty(m, n, dtype=getattr(torch, name),
-                                                          device=device))
-                        for w in weights]) for name in dtypes}
-    for name in dtypes if packed else ():  # as the engine's linear layers read them
-        dtype = getattr(torch, name)
-        if packed_weights.available(dtype, device) and (
+
+    def layers(dtype: torch.dtype) -> list:  # packed as the engine's linear layers read them
+        if packed and packed_weights.available(dtype, device) and (
                 dtype != torch.float32 or packed_weights.fp32_pays(k, n, count)):
-            a, _ = products[name]
-            products[name] = (a, [packed_weights.linear(w.to(device, dtype)) for w in weights])
+            return [packed_weights.linear(w.to(device, dtype)) for w in weights]
+        # into one output tensor: a fresh one per call is the allocator's cost, not the GEMM's
+        # (with the trainer's 1 MiB mmap threshold each call faulted its pages in, and bf16 read
+        # 1.08 TFLOP/s against 2.5)
+        return [functools.partial(torch.mm, mat2=w.to(device, dtype).t(),
+                                  out=torch.empty(m, n, dtype=dtype, device=device))
+                for w in weights]
+
+    products = {name: (x.to(device, getattr(torch, name)), layers(getattr(torch, name)))
+                for name in dtypes}
     del weights
 
     def timed(name: str, repeat: int = 1) -> float:
-        a, layers = products[name]
-        return _timed(lambda: [layer(a) for layer in layers], device, repeat)
+        a, calls = products[name]
+        return _timed(lambda: [call(a) for call in calls], device, repeat)
 
     best = {name: timed(name) for name in dtypes}  # a warm-up, kept only if it is that slow
     racing = [name for name in dtypes if best[name] < budget]

@@ -27,7 +27,6 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from areal_flow.lora import save_adapter
 from areal_flow.types import DistributedWeights, WeightUpdate
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
@@ -247,6 +246,8 @@ def update_from_folder(pool: Any, folder: Path, version: int, state: dict[str, t
     final, tmp = folder / f"v{version}", folder / f".v{version}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     if adapter is not None:
+        from areal_flow.lora import save_adapter
+
         save_adapter(tmp, state, adapter)
     else:
         model.save_pretrained(tmp, state_dict=state)
