@@ -131,7 +131,7 @@ FUNCTIONS: dict[str, list[str]] = {
     # interruption, and how the pieces become one completion
     "areal_flow/inference/sglang_routing.py": [
         f"*{name}__mutmut_*" for name in (
-            "ǁ_generate", "ǁ_complete", "ǁ_route", "ǁ_body", "ǁ_on_server", "ǁ_post_generate",
+            "ǁ_generate", "ǁ_complete", "ǁ_route", "ǁ_body", "ǁ_post_generate",
             "ǁ_extend", "ǁ_completion", ".x__resubmission_seed", ".x__token_versions",
             ".x__version")],
     "areal_flow/inference/sglang_servers.py": [

@@ -132,23 +132,21 @@ class SGLangPool(Routing, Weights, Servers):
 
         launcher = None
         addresses = list(config.addresses) or None
-        version = 0
         if addresses is None and config.addresses_file is None:
             serve = functools.partial(serve_command, dtype=config.dtype, device=config.device,
                                       max_batch_size=config.max_batch_size)
             commands = {"sglang": sglang_command, "areal-flow": serve}
             log_dir = Path(run_dir) / "servers" if run_dir is not None else None
             launcher = SGLangLauncher(model, gpus=config.server_gpus, tp_size=config.tp_size,
-                                      random_seed=seed, weight_version=version,
+                                      random_seed=seed, weight_version=0,
                                       deterministic_inference=config.deterministic,
                                       log_dir=log_dir, command=commands[config.server_program],
                                       extra_args=lora_args(config.server_program, lora))
             addresses = launcher.start()
         try:
             pool = cls(addresses, addresses_file=None if addresses else config.addresses_file,
-                       version=version, tokenizer=model, request_timeout=config.request_timeout,
-                       control_timeout=config.control_timeout,
-                       pause_timeout=config.pause_timeout,
+                       tokenizer=model, request_timeout=config.request_timeout,
+                       control_timeout=config.control_timeout, pause_timeout=config.pause_timeout,
                        health_timeout=config.health_timeout,
                        no_server_timeout=config.no_server_timeout,
                        # servers it launched are its own; others may be another run's
@@ -216,10 +214,9 @@ class SGLangPool(Routing, Weights, Servers):
         """Load new weights on every server (paused meanwhile) and set `version`: from
         `update.path`, or over the weight-update group (the caller broadcasts meanwhile)."""
         if update.state_dict is not None:
-            raise ValueError(
-                "the SGLang pool takes weights as a folder ('path') or over a weight-update group "
-                "('dist_meta'); in-memory state dicts are for the local engine"
-            )
+            raise ValueError("the SGLang pool takes weights as a folder ('path') or over a "
+                             "weight-update group ('dist_meta'); in-memory state dicts are for "
+                             "the local engine")
         self._call(self._locked(lambda: self._update_weights(update)))
 
     def stats(self) -> dict[str, float]:

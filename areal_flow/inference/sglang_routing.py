@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import Coroutine
 from typing import Any, get_args
 
 import attrs
@@ -118,8 +117,7 @@ class Routing:
             epoch, sent_at = self._epoch, self._version
             server.inflight += 1
             try:
-                reply = await self._on_server(server, self._post_generate(server,
-                                                                          self._body(active)))
+                reply = await self._post_generate(server, self._body(active))
                 versions = _token_versions(reply["meta_info"], len(reply["output_ids"]))
                 if versions and min(versions) < sent_at:  # never, when joining servers catch up
                     self._counts["behind_replies"] += 1
@@ -199,11 +197,8 @@ class Routing:
         params: dict[str, Any] = {
             "max_new_tokens": active.remaining,
             "temperature": sp.temperature,  # 0 is greedy, in SGLang too
-            "top_p": sp.top_p,
-            "top_k": sp.top_k,
-            "min_p": sp.min_p,
-            "stop_token_ids": list(sp.stop_token_ids),
-            "ignore_eos": sp.ignore_eos,
+            "top_p": sp.top_p, "top_k": sp.top_k, "min_p": sp.min_p,
+            "stop_token_ids": list(sp.stop_token_ids), "ignore_eos": sp.ignore_eos,
             "no_stop_trim": True,  # the text holds every token, as the local engine's does
         }
         seed = _resubmission_seed(sp.seed, len(active.tokens))
@@ -217,25 +212,21 @@ class Routing:
             body["lora_path"] = LORA_NAME  # SGLang resolves an adapter by its name here
         return body
 
-    async def _on_server(self, server: Server, coro: Coroutine) -> Any:
-        """Await `coro` as a task `_take_out` may cancel (then `ServerDown`; ours propagates)."""
-        post = asyncio.ensure_future(coro)
+    async def _post_generate(self, server: Server, body: dict) -> dict:
+        """``/generate`` as a task `_take_out` may cancel (then `ServerDown`; ours propagates)."""
+        post = asyncio.ensure_future(self._client.post(f"{server.url}/generate", json=body,
+                                                       timeout=self._generate_timeout))
         server.posts.add(post)
         try:
-            return await post
+            response = await post
         except asyncio.CancelledError:
             if asyncio.current_task().cancelling():
                 raise
             raise ServerDown(f"{server.address} was taken out of rotation") from None
-        finally:
-            server.posts.discard(post)
-
-    async def _post_generate(self, server: Server, body: dict) -> dict:
-        try:
-            response = await self._client.post(f"{server.url}/generate", json=body,
-                                               timeout=self._generate_timeout)
         except httpx.TransportError as exc:
             raise ServerDown(f"{server.address}: {exc!r}") from exc
+        finally:
+            server.posts.discard(post)
         if response.status_code >= 500:
             raise ServerError(f"{server.address} answered {response.status_code}: "
                                f"{error_message(response)}")

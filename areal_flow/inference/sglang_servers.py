@@ -105,8 +105,9 @@ class Servers:
     async def _post(self, server: Server, path: str, body: dict | None = None, *,
                     method: str = "POST", timeout: httpx.Timeout | None = None,
                     retry: bool = True) -> httpx.Response:
-        """One control call, retrying connection errors."""
+        """One control call, retrying connection errors; a GET within the health budget."""
         attempts = self._retries + 1 if retry else 1
+        default = self._health_timeout if method == "GET" else self._control_timeout
         try:
             async for attempt in stamina.retry_context(
                 on=httpx.ConnectError, attempts=attempts, timeout=None, wait_initial=0.05,
@@ -116,11 +117,11 @@ class Servers:
                     if attempt.num > 1:
                         self._counts["retries"] += 1
                     return await self._client.request(method, f"{server.url}{path}", json=body,
-                                                      timeout=timeout or self._control_timeout)
+                                                      timeout=timeout or default)
         except httpx.TransportError as exc:
             raise ServerDown(f"{server.address}{path}: {exc!r}") from exc
 
-    async def _checked(self, server: Server, path: str, body: dict, **kwargs) -> dict:
+    async def _checked(self, server: Server, path: str, body: dict, **kwargs) -> None:
         """A control call that must succeed on `server`."""
         try:
             response = await self._post(server, path, body, **kwargs)
@@ -130,7 +131,6 @@ class Servers:
         if response.status_code != 200 and not await self._applied(server, body):
             raise WeightUpdateError(f"{server.address}{path} failed ({response.status_code}): "
                                     f"{error_message(response)}")
-        return response.json() if response.content else {}
 
     async def _applied(self, server: Server, body: dict) -> bool:
         """After a refused weight update, whether it applied anyway (SGLang loads, then answers
@@ -139,8 +139,7 @@ class Servers:
         if version is None:
             return False
         try:
-            info = await self._post(server, "/model_info", method="GET",
-                                    timeout=self._health_timeout)
+            info = await self._post(server, "/model_info", method="GET")
             return str(info.json().get("weight_version")) == str(version)
         except (ServerDown, ValueError, AttributeError):
             return False
@@ -188,11 +187,10 @@ class Servers:
     async def _renew_leases(self) -> None:
         """A server whose lease another run took over leaves rotation before we write into it."""
         for address in self._leases.renew():
-            server = self._servers.get(address)
             log.error("SGLang server %s: this run's lease on it expired and another run took "
                       "it: out of rotation", address)
-            if server is not None:
-                server.healthy = False
+            if address in self._servers:
+                self._servers[address].healthy = False
 
     async def _refresh(self, force: bool = False) -> None:
         """Sync with the addresses file, start liveness checks, and admit answering servers once
@@ -206,18 +204,17 @@ class Servers:
                     if self._leases is not None:
                         self._leases.release(address)
             # SGLang holds /health while generation is paused (503 after ~20 s): not then
-            waiting = [] if self._paused else [
-                s for s in self._servers.values() if s.listed and not s.healthy]
-            for server in [] if self._paused else self._rotation():
-                if server.inflight and not server.checking:  # one at a time, not awaited here
-                    server.checking = True
-                    self._spawn(self._check_alive(server))
-            answers = await asyncio.gather(*(self._answers(s) for s in waiting))
-            answering = [s for s, ok in zip(waiting, answers) if ok]
-            if answering:
-                async with self._control:
-                    if not self._paused:
-                        await asyncio.gather(*(self._admit(s) for s in answering))
+            if not self._paused:
+                for server in self._rotation():
+                    if server.inflight and not server.checking:  # one at a time, not awaited
+                        server.checking = True
+                        self._spawn(self._check_alive(server))
+                waiting = [s for s in self._servers.values() if s.listed and not s.healthy]
+                answers = await asyncio.gather(*(self._answers(s) for s in waiting))
+                if answering := [s for s, ok in zip(waiting, answers) if ok]:
+                    async with self._control:
+                        if not self._paused:
+                            await asyncio.gather(*(self._admit(s) for s in answering))
             if self._rotation():
                 self._available.set()
 
@@ -249,8 +246,7 @@ class Servers:
             # and a paused server holds /health: resume it first (harmless when running)
             await self._post(server, "/continue_generation", {}, retry=False,
                              timeout=self._pause_timeout)
-            health = await self._post(server, "/health", method="GET", retry=False,
-                                      timeout=self._health_timeout)
+            health = await self._post(server, "/health", method="GET", retry=False)
         except ServerDown:
             return False
         return health.status_code == 200
@@ -260,8 +256,7 @@ class Servers:
         while no pause comes): silence within the health budget takes it out; a 5xx answers."""
         epoch = self._epoch
         try:
-            await self._post(server, "/health", method="GET", retry=False,
-                             timeout=self._health_timeout)
+            await self._post(server, "/health", method="GET", retry=False)
         except ServerDown as exc:
             if epoch == self._epoch and not self._paused:  # a pause since would hold /health
                 self._take_out(server, exc)
@@ -281,8 +276,7 @@ class Servers:
                 return
             self._refused.pop(server.address, None)
         try:
-            info = (await self._post(server, "/model_info", method="GET",
-                                     timeout=self._health_timeout)).json()
+            info = (await self._post(server, "/model_info", method="GET")).json()
             label = str(info.get("weight_version"))
             if label != server.label:  # restarted, or written by another run, since
                 server.known = False

@@ -27,8 +27,7 @@ class Weights:
             return
         self._paused = True
         self._epoch += 1
-        await self._on_healthy("/pause_generation", {"mode": "abort"},
-                               timeout=self._pause_timeout)
+        await self._on_healthy("/pause_generation", {"mode": "abort"}, timeout=self._pause_timeout)
 
     async def _resume_locked(self) -> None:
         if not self._paused:
@@ -83,14 +82,12 @@ class Weights:
         results = await asyncio.gather(
             *(self._swap_adapter(s, update.path, str(update.version)) for s in servers),
             return_exceptions=True)
-        done = []
         for server, result in zip(servers, results):
-            if isinstance(result, WeightUpdateError) and not server.healthy:
-                continue  # it went down: it catches up when it comes back
-            if isinstance(result, BaseException):
+            # one that went down (taken out) catches up when it comes back
+            if isinstance(result, BaseException) and (
+                    server.healthy or not isinstance(result, WeightUpdateError)):
                 raise result
-            done.append(server)
-        if not done:
+        if not (done := [s for s, r in zip(servers, results) if r is None]):
             raise WeightUpdateError(f"no SGLang server was reachable to load {update.path}")
         self._caught_up(done)
         self._adapter, self._disk = (update.path, update.version), None
