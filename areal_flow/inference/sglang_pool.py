@@ -43,25 +43,14 @@ class SGLangPool(Routing, Weights, Servers):
     `retries` counts per control call and per request without new tokens; `base` is a LoRA run's
     base model, loaded on servers that are not its own."""
 
-    def __init__(
-        self,
-        addresses: Sequence[str] | None = None,
-        *,
-        addresses_file: str | os.PathLike | None = None,
-        version: int = 0,
-        tokenizer: str | None = None,
-        request_timeout: float | None = 3600.0,
-        control_timeout: float = 600.0,
-        pause_timeout: float = 30.0,
-        connect_timeout: float = 5.0,
-        health_timeout: float = 30.0,
-        no_server_timeout: float = 600.0,
-        retries: int = 5,
-        refresh_interval: float = 1.0,
-        sticky_capacity: int = 100_000,
-        leases: Leases | None = None,
-        base: str | None = None,
-    ):
+    def __init__(self, addresses: Sequence[str] | None = None, *,
+                 addresses_file: str | os.PathLike | None = None, version: int = 0,
+                 tokenizer: str | None = None, request_timeout: float | None = 3600.0,
+                 control_timeout: float = 600.0, pause_timeout: float = 30.0,
+                 connect_timeout: float = 5.0, health_timeout: float = 30.0,
+                 no_server_timeout: float = 600.0, retries: int = 5,
+                 refresh_interval: float = 1.0, sticky_capacity: int = 100_000,
+                 leases: Leases | None = None, base: str | None = None):
         if (addresses is None) == (addresses_file is None):
             raise ValueError("give exactly one of 'addresses' and 'addresses_file'")
         if retries < 0:
@@ -304,8 +293,7 @@ class SGLangPool(Routing, Weights, Servers):
     async def _start(self) -> None:
         self._client = httpx.AsyncClient(
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
-            timeout=self._control_timeout,
-        )
+            timeout=self._control_timeout)
         self._control = asyncio.Lock()
         """Serialises pausing, weight updates, groups and admitting servers."""
         self._refreshing = asyncio.Lock()

@@ -247,10 +247,9 @@ class RolloutScheduler:
             self._counts.update(f"staleness/{lag}" for lag in lags)
         return batch
 
-    def rollout_batch(
-        self, samples: Sequence[dict[str, Any]], *, sampling: SamplingParams | None = None,
-        group_size: int = 1,
-    ) -> list[list[Episode]]:
+    def rollout_batch(self, samples: Sequence[dict[str, Any]], *,
+                      sampling: SamplingParams | None = None,
+                      group_size: int = 1) -> list[list[Episode]]:
         """Run `samples` now (evaluation), outside admission; one that keeps failing gives []."""
         return self.portal.call(self._rollout_now, list(samples), sampling or self.sampling,
                                 group_size)
