@@ -4,7 +4,14 @@ sdpa attends through a pack's dense block-diagonal mask, quadratic in the pack's
 4,096-token pack trained slower than seven 512-token ones on a CPU). Here each row attends on its
 own, unmasked: equal to the mask's to 1e-5, not bit for bit. Where that saves under half the
 work, or a forward brings no row lengths (`LENGTHS`, from `PackedRows.model_inputs`),
-transformers' masked sdpa runs."""
+transformers' masked sdpa runs.
+
+On a CPU, in bf16, every attention a backward will run through is padded to a multiple of
+`BUCKET` tokens: torch's CPU flash attention keeps the kernels its backward builds for each new
+length for the life of the process (about 5 MB a length at SmolLM2's heads), so the lengths a run
+meets grew its memory without bound (`python benchmarks/memory.py lengths`). The padding comes
+last and is cut off, and no real query sees it: the real rows' outputs and gradients are
+unchanged."""
 
 from __future__ import annotations
 
@@ -14,6 +21,18 @@ import torch.nn.functional as F
 NAME = "areal_flow_packed_sdpa"
 LENGTHS = "packed_lengths"
 """The forward keyword that carries the pack's row lengths (a tuple of ints)."""
+BUCKET = 64
+"""Training attention's token counts on a CPU in bf16 are rounded up to a multiple of this."""
+KERNEL_CACHING_DEVICES = {"cpu"}
+"""Device types whose reduced-precision attention backward keeps a kernel per length."""
+
+
+def _padding(query: torch.Tensor) -> int:
+    """Tokens to append so a backward through `query` meets a length it has met before."""
+    if query.device.type not in KERNEL_CACHING_DEVICES or query.dtype == torch.float32 or \
+            not (torch.is_grad_enabled() and query.requires_grad):
+        return 0
+    return -query.shape[2] % BUCKET
 
 
 def packed_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -27,14 +46,33 @@ def packed_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
             2 * sum(n * n for n in lengths) > query.shape[2] ** 2:  # saves under half the work
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, is_causal=is_causal, **kwargs)
+        n, pad = query.shape[2], _padding(query)
+        if pad and key.shape[2] == n and (attention_mask is None or
+                                          attention_mask.dtype == torch.bool):
+            query, key, value = (F.pad(t, (0, 0, 0, pad)) for t in (query, key, value))
+            if attention_mask is not None:  # real queries never see the padding; padded
+                # queries see nothing: torch's sdpa gives such rows zeros, not NaN (tested)
+                attention_mask = F.pad(attention_mask, (0, pad, 0, pad))
+        out, _ = sdpa_attention_forward(module, query, key, value, attention_mask,
+                                        dropout=dropout, scaling=scaling, is_causal=is_causal,
+                                        **kwargs)
+        return out[:, :n], None
     grouped = key.shape[1] != query.shape[1]
-    rows = [F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling,
-                                           is_causal=True, enable_gqa=grouped)
+    rows = [_row(q, k, v, dropout, scaling, grouped)
             for q, k, v in zip(query.split(lengths, 2), key.split(lengths, 2),
                                value.split(lengths, 2))]
     return torch.cat(rows, 2).transpose(1, 2).contiguous(), None
+
+
+def _row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float,
+         scaling: float | None, grouped: bool) -> torch.Tensor:
+    """One row's causal attention (1, heads, tokens, dim), padded after its last token."""
+    n, pad = q.shape[2], _padding(q)
+    if pad:
+        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling,
+                                         is_causal=True, enable_gqa=grouped)
+    return out[:, :, :n]
 
 
 def use(model: torch.nn.Module) -> None:
