@@ -8,12 +8,20 @@ training step saves for backward.
         one `TrainEngine.train` of `train_step.py`'s batch on the SmolLM2-135M shape with the RL
         recipes' training settings (B: another `compiled_layers.ACTIVATION_BUDGET`): the tensors
         autograd saves for backward, by last dimension and dtype (each storage once)
+    python benchmarks/memory.py lengths [--steps 8]
+        `TrainEngine.train` on the SmolLM2-135M shape, the RL recipes' training settings, each
+        step's rows 7 tokens longer than the last (as a run's lengths vary): glibc's heap in use
+        and resident memory after each step, and s/step, with training attention padded to a
+        few lengths (`packed_attention.py`) and without (each its own process)
 """
 
 from __future__ import annotations
 
 import collections
+import ctypes
+import json
 import runpy
+import subprocess
 import shutil
 import sys
 import tempfile
@@ -113,6 +121,66 @@ def saved(checkpointing: bool, budget: float | None = None) -> None:
         print(f"| {dim} | {dtype} | {counts[dim, dtype]} | {size / 2**20:.0f} |")
 
 
+def heap_in_use_gb() -> float:
+    """Bytes glibc's malloc has handed out and not had back, over all arenas (`mallinfo2`)."""
+    class Mallinfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+            "fordblks", "keepcost")]
+
+    mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
+    mallinfo2.restype = Mallinfo2
+    info = mallinfo2()
+    return (info.uordblks + info.hblkhd) / 2**30  # small blocks in use + mmapped ones
+
+
+def lengths_one(steps: int, padded: bool) -> dict:
+    """One configuration, in this process: a JSON line of heap and RSS per step, and s/step."""
+    import torch
+
+    from areal_flow.algorithms.grpo import GRPO, GRPOConfig
+    from areal_flow.config import OptimizerConfig, PolicyLossConfig
+    from areal_flow.runtime import packed_attention
+    from areal_flow.runtime.engine import TrainConfig, TrainEngine
+    from benchmarks.engine import smollm2_sized
+    from train_step import batch
+
+    if not padded:
+        packed_attention.KERNEL_CACHING_DEVICES = set()
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = TrainEngine(smollm2_sized(Path(tmp) / "smol"), TrainConfig(
+            optim=OptimizerConfig(lr=1e-6), dtype="auto", max_tokens_per_mb=4096,
+            packed_attention=True, compile="auto"))
+    algorithm = GRPO(GRPOConfig(loss=PolicyLossConfig(recompute_proximal=False)))
+    heap, rss, seconds = [], [], []
+    for step in range(steps):
+        data = batch(trainer.model.config.vocab_size, prompt_len=100 + 7 * step, new_tokens=64)
+        data["rewards"][:8] = torch.rand(8, generator=torch.Generator().manual_seed(step))
+        start = time.perf_counter()
+        trainer.train(data, algorithm)
+        seconds.append(time.perf_counter() - start)
+        heap.append(heap_in_use_gb())
+        rss.append(rss_gb())
+    return {"padded": padded, "dtype": trainer.precision.dtype, "heap_gb": heap, "rss_gb": rss,
+            "s_per_step": sorted(seconds[1:])[len(seconds[1:]) // 2]}  # median, compile apart
+
+
+def lengths(steps: int) -> None:
+    rows = []
+    for padded in ("padded", "as they come"):
+        out = subprocess.run([sys.executable, __file__, "lengths-one", str(steps), padded],
+                             capture_output=True, text=True, check=True).stdout
+        rows.append(json.loads(out.strip().splitlines()[-1]))
+    print(f"{steps} steps, rows 7 tokens longer each step; training precision {rows[0]['dtype']}"
+          "\n\n| attention lengths | heap in use after step 1 → last GB | growth a step MB "
+          "| RSS after step 1 → last GB | s/step (median) |\n|---|---|---|---|---|")
+    for row in rows:
+        growth = (row["heap_gb"][-1] - row["heap_gb"][0]) / (steps - 1) * 1024
+        name = "padded to a few" if row["padded"] else "as they come"
+        print(f"| {name} | {row['heap_gb'][0]:.2f} → {row['heap_gb'][-1]:.2f} | {growth:.0f} "
+              f"| {row['rss_gb'][0]:.2f} → {row['rss_gb'][-1]:.2f} | {row['s_per_step']:.2f} |")
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["stations"]:
         args = sys.argv[2:]
@@ -120,6 +188,10 @@ if __name__ == "__main__":
         if "--steps" in args:
             del args[args.index("--steps"):args.index("--steps") + 2]
         stations(steps, args)
+    elif sys.argv[1:2] == ["lengths"]:
+        lengths(int(sys.argv[sys.argv.index("--steps") + 1]) if "--steps" in sys.argv else 8)
+    elif sys.argv[1:2] == ["lengths-one"]:
+        print(json.dumps(lengths_one(int(sys.argv[2]), sys.argv[3] == "padded")))
     elif sys.argv[1:2] == ["saved"]:
         saved("--checkpointing" in sys.argv, float(sys.argv[sys.argv.index("--budget") + 1])
               if "--budget" in sys.argv else None)
