@@ -7,7 +7,7 @@ work, or a forward brings no row lengths (`LENGTHS`, from `PackedRows.model_inpu
 transformers' masked sdpa runs.
 
 On a CPU, in bf16, every attention a backward will run through is padded to one of a few lengths
-(`_padding`): torch's CPU flash attention keeps the kernels its backward builds for each new
+(`_padded`): torch's CPU flash attention keeps the kernels its backward builds for each new
 length for the life of the process (about 5 MB a length at SmolLM2's heads), so the lengths a run
 meets grew its memory without bound (`python benchmarks/memory.py lengths`). The padding comes
 last and is cut off, and no real query sees it: the real rows' outputs and gradients are
@@ -22,21 +22,24 @@ NAME = "areal_flow_packed_sdpa"
 LENGTHS = "packed_lengths"
 """The forward keyword that carries the pack's row lengths (a tuple of ints)."""
 BUCKET = 32
-"""Training attention's token counts on a CPU in bf16 are rounded up to a multiple of this, or
-above 512 tokens of a sixteenth of their power of two: 16 lengths a doubling, at most 1/16 more
-work. Padding to 16 cost nothing, to 32 2 % and to 64 10 % of the attention's time (rows of 150-350
-tokens, SmolLM2's heads); 32 keeps 16 lengths under 512 tokens."""
+"""Padded lengths are multiples of this, above 512 tokens of 1/16 of their power of two (2 % of
+the attention's time at SmolLM2's rows; 64: 10 %)."""
 KERNEL_CACHING_DEVICES = {"cpu"}
-"""Device types whose reduced-precision attention backward keeps a kernel per length."""
 
 
-def _padding(query: torch.Tensor) -> int:
-    """Tokens to append so a backward through `query` meets a length it has met before."""
-    if query.device.type not in KERNEL_CACHING_DEVICES or query.dtype == torch.float32 or \
-            not (torch.is_grad_enabled() and query.requires_grad):
-        return 0
+def _padded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+            mask: torch.Tensor | None) -> tuple:
+    """query, key, value and mask padded after the last token where a bf16 backward on a CPU
+    will run through them; real queries never see the padding, padded ones see nothing (torch's
+    sdpa gives such rows zeros, not NaN: tested)."""
     n = query.shape[2]
-    return -n % max(BUCKET, 2 ** (n.bit_length() - 5))
+    if query.device.type not in KERNEL_CACHING_DEVICES or query.dtype == torch.float32 or \
+            not (torch.is_grad_enabled() and query.requires_grad) or key.shape[2] != n or \
+            (mask is not None and mask.dtype != torch.bool):
+        return query, key, value, mask
+    pad = -n % max(BUCKET, 2 ** (n.bit_length() - 5))
+    return (*(F.pad(t, (0, 0, 0, pad)) for t in (query, key, value)),
+            None if mask is None else F.pad(mask, (0, pad, 0, pad)))
 
 
 def packed_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -50,14 +53,8 @@ def packed_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
             2 * sum(n * n for n in lengths) > query.shape[2] ** 2:  # saves under half the work
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        n, pad = query.shape[2], _padding(query)
-        if pad and key.shape[2] == n and (attention_mask is None or
-                                          attention_mask.dtype == torch.bool):
-            query, key, value = (F.pad(t, (0, 0, 0, pad)) for t in (query, key, value))
-            if attention_mask is not None:  # real queries never see the padding; padded
-                # queries see nothing: torch's sdpa gives such rows zeros, not NaN (tested)
-                attention_mask = F.pad(attention_mask, (0, pad, 0, pad))
-        out, _ = sdpa_attention_forward(module, query, key, value, attention_mask,
+        n = query.shape[2]
+        out, _ = sdpa_attention_forward(module, *_padded(query, key, value, attention_mask),
                                         dropout=dropout, scaling=scaling, is_causal=is_causal,
                                         **kwargs)
         return out[:, :n], None
@@ -70,10 +67,9 @@ def packed_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
 
 def _row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float,
          scaling: float | None, grouped: bool) -> torch.Tensor:
-    """One row's causal attention (1, heads, tokens, dim), padded after its last token."""
-    n, pad = q.shape[2], _padding(q)
-    if pad:
-        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+    """One row's causal attention (1, heads, tokens, dim)."""
+    n = q.shape[2]
+    q, k, v, _ = _padded(q, k, v, None)
     out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling,
                                          is_causal=True, enable_gqa=grouped)
     return out[:, :, :n]
