@@ -84,3 +84,27 @@ def test_forwards_without_a_backward_and_fp32_attend_their_own_lengths(monkeypat
     q, k, v = (t.float().requires_grad_() for t in _pack([70, 75, 91], seed=0))
     packed_sdpa(MODULE, q, k, v, None, **{LENGTHS: (70, 75, 91)})
     assert seen == [70, 75, 91] * 2
+
+
+@pytest.fixture(scope="module")
+def world():
+    import torch.distributed as dist
+
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("rows_alone", [True, False], ids=["row-attention", "mask"])
+def test_a_bf16_training_step_pads_its_attention_with_row_attention_on_or_off(
+        world, tiny_model_dir, rows_alone, monkeypatch):
+    """`TrainEngine`'s own forward in bf16, whatever `TrainConfig.packed_attention` says (SFT and
+    DPO keep it off): every length the kernel meets is a padded one."""
+    from areal_flow.runtime.engine import TrainConfig, TrainEngine
+    from tests.dist_train_script import fixed_batch
+
+    e = TrainEngine(tiny_model_dir, TrainConfig(dtype="bfloat16", packed_attention=rows_alone))
+    seen = _spy(monkeypatch)
+    out = e.outputs(fixed_batch(e.model.config.vocab_size)[:5], entropy="grad")
+    out.logprobs.sum().backward()
+    assert seen and all(n % BUCKET == 0 for n in seen), seen

@@ -116,8 +116,7 @@ class TrainEngine:
 
             self.adapter = add_adapters(module, config.lora.peft_dict())
         body = module.backbone if value else module
-        if config.packed_attention:
-            packed_attention.use(body)
+        packed_attention.use(body, rows_alone=config.packed_attention)
         if config.activation_checkpointing:
             body.activation_checkpointing_enable()
         # training mode: transformers recomputes checkpointed layers only when `module.training`

@@ -1,4 +1,4 @@
-"""Attention over packed rows, one row at a time.
+"""Attention over packed rows, one row at a time, or through the pack's mask.
 
 sdpa attends through a pack's dense block-diagonal mask, quadratic in the pack's tokens (a
 4,096-token pack trained slower than seven 512-token ones on a CPU). Here each row attends on its
@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 NAME = "areal_flow_packed_sdpa"
+MASKED = "areal_flow_masked_sdpa"
 LENGTHS = "packed_lengths"
 """The forward keyword that carries the pack's row lengths (a tuple of ints)."""
 BUCKET = 32
@@ -51,18 +52,28 @@ def packed_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
     lengths = kwargs.pop(LENGTHS, None)
     if lengths is None or query.shape[0] != 1 or key.shape[2] != query.shape[2] or \
             2 * sum(n * n for n in lengths) > query.shape[2] ** 2:  # saves under half the work
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        n = query.shape[2]
-        out, _ = sdpa_attention_forward(module, *_padded(query, key, value, attention_mask),
-                                        dropout=dropout, scaling=scaling, is_causal=is_causal,
-                                        **kwargs)
-        return out[:, :n], None
+        return masked_sdpa(module, query, key, value, attention_mask, dropout, scaling,
+                           is_causal, **kwargs)
     grouped = key.shape[1] != query.shape[1]
     rows = [_row(q, k, v, dropout, scaling, grouped)
             for q, k, v in zip(query.split(lengths, 2), key.split(lengths, 2),
                                value.split(lengths, 2))]
     return torch.cat(rows, 2).transpose(1, 2).contiguous(), None
+
+
+def masked_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float = 0.0,
+                scaling: float | None = None, is_causal: bool | None = None, **kwargs
+                ) -> tuple[torch.Tensor, None]:
+    """transformers' sdpa through the mask, padded (`_padded`); the rows' lengths unused."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    kwargs.pop(LENGTHS, None)
+    n = query.shape[2]
+    out, _ = sdpa_attention_forward(module, *_padded(query, key, value, attention_mask),
+                                    dropout=dropout, scaling=scaling, is_causal=is_causal,
+                                    **kwargs)
+    return out[:, :n], None
 
 
 def _row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float,
@@ -75,12 +86,13 @@ def _row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float,
     return out[:, :, :n]
 
 
-def use(model: torch.nn.Module) -> None:
-    """Switch `model` (transformers, sdpa) to `NAME`; masks stay sdpa's, for a forward without
-    lengths."""
+def use(model: torch.nn.Module, rows_alone: bool) -> None:
+    """Switch `model` (transformers, sdpa) to `packed_sdpa` (`rows_alone`) or `masked_sdpa`;
+    masks stay sdpa's, for a forward without lengths."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    AttentionInterface.register(NAME, packed_sdpa)
-    AttentionMaskInterface.register(NAME, sdpa_mask)
-    model.set_attn_implementation(NAME)
+    name, function = (NAME, packed_sdpa) if rows_alone else (MASKED, masked_sdpa)
+    AttentionInterface.register(name, function)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    model.set_attn_implementation(name)
