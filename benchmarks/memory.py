@@ -21,8 +21,8 @@ import collections
 import ctypes
 import json
 import runpy
-import subprocess
 import shutil
+import subprocess
 import sys
 import tempfile
 import threading
